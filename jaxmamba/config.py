@@ -120,9 +120,7 @@ class ModelConfig:
             _bad("time_step_limit", self.time_step_limit, "0 <= min < max (max may be inf)")
         for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, field)
-            if value is not None and not (
-                isinstance(value, int) and 0 <= value < self.vocab_size
-            ):
+            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
                 _bad(field, value, f"None or an id in [0, vocab_size={self.vocab_size})")
 
     # ----- derived sizes -----
@@ -176,7 +174,9 @@ class ModelConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"{source}: unknown ModelConfig fields {unknown}")
-        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d and f.name != "name")
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls) if f.name not in d and f.name != "name"
+        )
         if missing:
             raise ValueError(f"{source}: missing ModelConfig fields {missing}")
         return cls(**d)
@@ -243,7 +243,9 @@ class ModelConfig:
             return _from_nemotron_h(config, name)
         if model_type == "mamba2":
             return _from_mamba2(config, name)
-        raise ValueError(f"unsupported model_type {model_type!r} in HF config; supported: {MODEL_TYPES}")
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in HF config; supported: {MODEL_TYPES}"
+        )
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict that transformers loads as this model."""
@@ -318,6 +320,13 @@ def _get(config: dict, *names: str, default: Any = None) -> Any:
     return default
 
 
+def _float(value: Any) -> float:
+    # transformers 5 writes non-finite floats as {"__float__": "Infinity"}.
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
 def _token_id(config: dict, key: str, default: int | None) -> int | None:
     value = config.get(key, default)
     # Several eos ids (chat models) are legal in HF; the engine stops on the first one.
@@ -333,7 +342,9 @@ def _require_act(config: dict, key: str, expected: str, default: str) -> None:
 
 
 def _nemotron_h_layer_types(config: dict) -> tuple[str, ...]:
-    field = next((k for k in ("layers_block_type", "layer_types") if config.get(k) is not None), None)
+    field = next(
+        (k for k in ("layers_block_type", "layer_types") if config.get(k) is not None), None
+    )
     if field is not None:
         raw = list(config[field])
     elif config.get("hybrid_override_pattern") is not None:
@@ -359,7 +370,9 @@ def _from_nemotron_h(c: dict, name: str) -> ModelConfig:
     _require_act(c, "mamba_hidden_act", "silu", "silu")
     mlp_act = c.get("mlp_hidden_act", "relu2")
     if mlp_act not in MLP_ACTIVATIONS:
-        raise ValueError(f"HF config mlp_hidden_act={mlp_act!r} is unsupported: only {MLP_ACTIVATIONS}")
+        raise ValueError(
+            f"HF config mlp_hidden_act={mlp_act!r} is unsupported: only {MLP_ACTIVATIONS}"
+        )
     # transformers' NemotronHAttention never applies RoPE (rope_theta etc. are inert there), so
     # those keys are ignored; an explicit position embedding or a sliding window would change
     # the numbers and is refused.
@@ -389,7 +402,7 @@ def _from_nemotron_h(c: dict, name: str) -> ModelConfig:
         # The modeling code biases in_proj/out_proj by `use_bias` (not `mamba_proj_bias`).
         mamba_proj_bias=bool(c.get("use_bias", False)),
         # HF NemotronH clamps dt to (time_step_min, inf) and ignores config.time_step_limit.
-        time_step_limit=(float(_get(c, "time_step_min", "mamba_dt_min", default=0.001)), math.inf),
+        time_step_limit=(_float(_get(c, "time_step_min", "mamba_dt_min", default=0.001)), math.inf),
         residual_in_fp32=bool(c.get("residual_in_fp32", False)),
         num_attention_heads=num_heads,
         num_key_value_heads=_get(c, "num_key_value_heads", default=num_heads),
@@ -432,7 +445,7 @@ def _from_mamba2(c: dict, name: str) -> ModelConfig:
         chunk_size=c.get("chunk_size", 256),
         use_conv_bias=bool(c.get("use_conv_bias", True)),
         mamba_proj_bias=bool(c.get("use_bias", False)),
-        time_step_limit=tuple(float(v) for v in limit),
+        time_step_limit=tuple(_float(v) for v in limit),
         residual_in_fp32=bool(c.get("residual_in_fp32", True)),
         num_attention_heads=0,
         num_key_value_heads=0,

@@ -1,0 +1,458 @@
+"""HF checkpoints (config.json + *.safetensors) <-> our parameter tree. Host side only.
+
+Param tree (plain nested dicts; E hidden, V vocab, F MLP width, K conv width):
+
+    {"embed": {"embedding": [V, E]},
+     "layers_{i}": {"norm": {"scale": [E]}, "mixer": MIXER},
+     "norm_f": {"scale": [E]},
+     "lm_head": {"kernel": [E, V]}}          # absent when tie_word_embeddings
+
+HF Linear weights are [out, in]; our kernels are [in, out]. HF conv1d weights are
+[conv_dim, 1, K]; ours are [K, conv_dim]. A_log, D, dt_bias and norm scales load as float32,
+everything else in the requested dtype.
+
+Safetensors files are read through our own small header parser and `np.memmap`, because the
+`safetensors` numpy backend cannot represent bfloat16 (ml_dtypes can), and memory-mapping keeps
+host memory flat for large checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxmamba.config import ModelConfig
+
+Params = dict[str, Any]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+# Tensors a checkpoint may carry that we deliberately do not load.
+IGNORABLE_TENSORS = (
+    re.compile(r"^mtp\."),  # NemotronH multi-token-prediction heads (num_nextn_predict_layers)
+    re.compile(r"(^|\.)rotary_emb\.inv_freq$"),  # non-persistent RoPE buffers of old exports
+)
+# Prefixes of the base model in HF checkpoints: `backbone.` (Mamba2, NVIDIA's NemotronH
+# exports), `model.` (transformers 5 NemotronH), or none (a bare base model).
+BASE_PREFIXES = ("backbone.", "model.", "")
+
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# safetensors files
+
+
+class _SafetensorsFile:
+    """Lazy reader of one .safetensors file: header parsed and checked, data memory-mapped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise ValueError("file shorter than the 8-byte header length")
+                (n,) = struct.unpack("<Q", raw)
+                if n > size - 8:
+                    raise ValueError(f"header length {n} exceeds file size {size}")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read safetensors file {path}: {e}") from e
+        if not isinstance(header, dict):
+            raise ValueError(f"cannot read safetensors file {path}: header is not a JSON object")
+        header.pop("__metadata__", None)
+        self._data_start = 8 + n
+        data_len = size - self._data_start
+        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dtype = _ST_DTYPES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(v) for v in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"safetensors file {path}: bad header entry {name!r}: {e}") from e
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
+                raise ValueError(
+                    f"safetensors file {path}: tensor {name!r} {info['dtype']}{list(shape)} has "
+                    f"data_offsets [{begin}, {end}] inconsistent with its size {nbytes} bytes "
+                    f"or the data length {data_len} (truncated or corrupted file?)"
+                )
+            self.entries[name] = (dtype, shape, begin, end)
+
+    def get(self, name: str) -> np.ndarray:
+        dtype, shape, begin, _ = self.entries[name]
+        if math.prod(shape) == 0:
+            return np.zeros(shape, dtype)
+        return np.memmap(
+            self.path, dtype=dtype, mode="r", offset=self._data_start + begin, shape=shape
+        )
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in _ST_NAMES:
+            raise ValueError(f"cannot write tensor {name!r} of dtype {a.dtype} to safetensors")
+        header[name] = {
+            "dtype": _ST_NAMES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
+        offset += a.nbytes
+        arrays.append(a)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+
+
+class _Checkpoint:
+    """All tensors of a (possibly sharded) safetensors checkpoint, by HF name."""
+
+    def __init__(self, path: Path):
+        index = path / SAFETENSORS_INDEX
+        single = path / SAFETENSORS_SINGLE
+        self.where: dict[str, _SafetensorsFile] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise ValueError("weight_map is not an object")
+            except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read checkpoint index {index}: {e}") from e
+            files = {}
+            for fname in sorted(set(weight_map.values())):
+                if not (path / fname).is_file():
+                    raise ValueError(f"checkpoint index {index} names missing shard {path / fname}")
+                files[fname] = _SafetensorsFile(path / fname)
+            for name, fname in weight_map.items():
+                if name not in files[fname].entries:
+                    raise ValueError(
+                        f"checkpoint index {index} puts {name!r} in {fname}, which lacks it"
+                    )
+                self.where[name] = files[fname]
+            # Tensors present in shards but absent from the index are still unexpected extras.
+            for f in files.values():
+                for name in f.entries:
+                    self.where.setdefault(name, f)
+        else:
+            paths = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+            if not paths:
+                raise ValueError(f"no *.safetensors files in checkpoint directory {path}")
+            for p in paths:
+                f = _SafetensorsFile(p)
+                for name in f.entries:
+                    if name in self.where:
+                        raise ValueError(
+                            f"tensor {name!r} is in both {self.where[name].path} and {p}"
+                        )
+                    self.where[name] = f
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].entries[name][1]
+
+    def get(self, name: str) -> np.ndarray:
+        return self.where[name].get(name)
+
+
+# ----------------------------------------------------------------------------------------
+# name/shape plan
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: tuple[str, ...]  # our path in the param tree
+    hf_name: str  # HF name without the base prefix ("lm_head.weight" is outside the base)
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    fp32: bool  # kept in float32 regardless of the requested dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.to_ours(np.empty(self.hf_shape, np.int8)).shape)
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _transpose(x: np.ndarray) -> np.ndarray:
+    return x.T
+
+
+def _conv_to_ours(x: np.ndarray) -> np.ndarray:
+    return x[:, 0, :].T  # [C, 1, K] -> [K, C]
+
+
+def _conv_to_hf(x: np.ndarray) -> np.ndarray:
+    return x.T[:, None, :]  # [K, C] -> [C, 1, K]
+
+
+def _linear(path, hf, d_in, d_out, bias) -> list[_Entry]:
+    out = [_Entry((*path, "kernel"), f"{hf}.weight", (d_out, d_in), _transpose, _transpose, False)]
+    if bias:
+        out.append(_Entry((*path, "bias"), f"{hf}.bias", (d_out,), _identity, _identity, False))
+    return out
+
+
+def _norm(path, hf, dim) -> _Entry:
+    return _Entry((*path, "scale"), f"{hf}.weight", (dim,), _identity, _identity, True)
+
+
+def _plan(cfg: ModelConfig) -> list[_Entry]:
+    E, V = cfg.hidden_size, cfg.vocab_size
+    plan = [
+        _Entry(("embed", "embedding"), "embeddings.weight", (V, E), _identity, _identity, False)
+    ]
+    for i, kind in enumerate(cfg.layer_types):
+        ours, hf = (f"layers_{i}",), f"layers.{i}"
+        plan.append(_norm((*ours, "norm"), f"{hf}.norm", E))
+        m, hm = (*ours, "mixer"), f"{hf}.mixer"
+        if kind == "mamba":
+            H, C = cfg.mamba_num_heads, cfg.conv_dim
+            plan += _linear(
+                (*m, "in_proj"), f"{hm}.in_proj", E, cfg.in_proj_dim, cfg.mamba_proj_bias
+            )
+            plan.append(
+                _Entry((*m, "conv1d", "kernel"), f"{hm}.conv1d.weight", (C, 1, cfg.conv_kernel),
+                       _conv_to_ours, _conv_to_hf, False)
+            )  # fmt: skip
+            if cfg.use_conv_bias:
+                plan.append(
+                    _Entry(
+                        (*m, "conv1d", "bias"),
+                        f"{hm}.conv1d.bias",
+                        (C,),
+                        _identity,
+                        _identity,
+                        False,
+                    )
+                )
+            for p in ("dt_bias", "A_log", "D"):
+                plan.append(_Entry((*m, p), f"{hm}.{p}", (H,), _identity, _identity, True))
+            plan.append(_norm((*m, "norm"), f"{hm}.norm", cfg.d_inner))
+            plan += _linear((*m, "out_proj"), f"{hm}.out_proj", cfg.d_inner, E, cfg.mamba_proj_bias)
+        elif kind == "attention":
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            b = cfg.attention_bias
+            plan += _linear((*m, "q_proj"), f"{hm}.q_proj", E, q, b)
+            plan += _linear((*m, "k_proj"), f"{hm}.k_proj", E, kv, b)
+            plan += _linear((*m, "v_proj"), f"{hm}.v_proj", E, kv, b)
+            plan += _linear((*m, "o_proj"), f"{hm}.o_proj", q, E, b)
+        else:
+            F = cfg.intermediate_size
+            plan += _linear((*m, "up_proj"), f"{hm}.up_proj", E, F, cfg.mlp_bias)
+            plan += _linear((*m, "down_proj"), f"{hm}.down_proj", F, E, cfg.mlp_bias)
+    plan.append(_norm(("norm_f",), "norm_f", E))
+    if not cfg.tie_word_embeddings:
+        plan.append(
+            _Entry(("lm_head", "kernel"), "lm_head.weight", (V, E), _transpose, _transpose, False)
+        )
+    return plan
+
+
+def _is_base(entry: _Entry) -> bool:
+    return entry.path[0] != "lm_head"
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _path_str(path: tuple[str, ...]) -> str:
+    return "/".join(path)
+
+
+def param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
+    """The param tree of `cfg` as ShapeDtypeStructs (what `load_hf_checkpoint` returns)."""
+    tree: Params = {}
+    for e in _plan(cfg):
+        _set(tree, e.path, jax.ShapeDtypeStruct(e.shape, jnp.float32 if e.fp32 else dtype))
+    return tree
+
+
+# ----------------------------------------------------------------------------------------
+# load / save
+
+
+def _find_prefix(names: set[str], path: Path) -> str:
+    for prefix in BASE_PREFIXES:
+        if f"{prefix}embeddings.weight" in names or f"{prefix}embedding.weight" in names:
+            return prefix
+    raise ValueError(
+        f"checkpoint {path} has no embedding tensor (looked for "
+        f"{[p + 'embeddings.weight' for p in BASE_PREFIXES]})"
+    )
+
+
+def _check_config(path: Path, cfg: ModelConfig) -> None:
+    ckpt_cfg = ModelConfig.from_hf_config(path)
+    for field in ckpt_cfg.to_dict():
+        if field in ("name", "bos_token_id", "eos_token_id", "pad_token_id"):
+            continue
+        a, b = getattr(cfg, field), getattr(ckpt_cfg, field)
+        if a != b:
+            raise ValueError(
+                f"ModelConfig.{field}={a!r} does not match the checkpoint's "
+                f"{path / 'config.json'} ({b!r})"
+            )
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    cfg: ModelConfig | None = None,
+    *,
+    dtype: Any = jnp.bfloat16,
+    expected: Params | None = None,
+) -> Params:
+    """Load an HF safetensors checkpoint directory into our param tree.
+
+    `cfg` defaults to the checkpoint's config.json; when given, its architecture fields must
+    match it. `expected` (a tree of ShapeDtypeStructs) is checked against the result.
+    Raises ValueError naming the tensor, our path and both shapes on any mismatch.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint path {path} is not a directory")
+    if cfg is None:
+        cfg = ModelConfig.from_hf_config(path)
+    else:
+        _check_config(path, cfg)
+    ckpt = _Checkpoint(path)
+    names = set(ckpt.where)
+    prefix = _find_prefix(names, path)
+    dtype = jnp.dtype(dtype)
+
+    params: Params = {}
+    used: set[str] = set()
+    for e in _plan(cfg):
+        full = prefix + e.hf_name if _is_base(e) else e.hf_name
+        if e.path == ("embed", "embedding") and full not in names:
+            full = prefix + "embedding.weight"  # mamba_ssm's spelling
+        if full not in names:
+            raise ValueError(
+                f"checkpoint {path} is missing tensor {full!r} (for {_path_str(e.path)}, "
+                f"expected HF shape {list(e.hf_shape)})"
+            )
+        shape = ckpt.shape(full)
+        if shape != e.hf_shape:
+            raise ValueError(
+                f"checkpoint tensor {full!r} has shape {list(shape)}, expected {list(e.hf_shape)} "
+                f"for {_path_str(e.path)} (our shape {list(e.shape)})"
+            )
+        x = e.to_ours(ckpt.get(full))
+        _set(params, e.path, jnp.asarray(x, dtype=jnp.float32 if e.fp32 else dtype))
+        used.add(full)
+
+    extra = names - used
+    if cfg.tie_word_embeddings and "lm_head.weight" in extra:
+        # Some exports write the tied head anyway; accept it only if it really is the embedding.
+        head = ckpt.get("lm_head.weight")
+        emb = ckpt.get(prefix + "embeddings.weight" if prefix + "embeddings.weight" in names
+                       else prefix + "embedding.weight")  # fmt: skip
+        if head.shape != emb.shape or not np.array_equal(head, emb):
+            raise ValueError(
+                f"checkpoint {path} has an lm_head.weight different from the embeddings, but "
+                "tie_word_embeddings=True"
+            )
+        extra.discard("lm_head.weight")
+    extra = sorted(n for n in extra if not any(p.search(n) for p in IGNORABLE_TENSORS))
+    if extra:
+        raise ValueError(
+            f"checkpoint {path} has unexpected tensors {extra[:10]} ({len(extra)} total)"
+        )
+    if expected is not None:
+        check_params(params, expected)
+    return params
+
+
+def check_params(params: Params, expected: Params) -> None:
+    """Raise ValueError unless `params` has the structure, shapes and dtypes of `expected`."""
+    got = dict(_flatten(params))
+    want = dict(_flatten(expected))
+    if set(got) != set(want):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        raise ValueError(f"param tree mismatch: missing {missing}, unexpected {extra}")
+    for k, w in want.items():
+        g = got[k]
+        if tuple(g.shape) != tuple(w.shape) or jnp.dtype(g.dtype) != jnp.dtype(w.dtype):
+            raise ValueError(
+                f"param {k}: got {jnp.dtype(g.dtype)}{list(g.shape)}, "
+                f"expected {jnp.dtype(w.dtype)}{list(w.shape)}"
+            )
+
+
+def _flatten(tree: Any, prefix: str = ""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}/{k}" if prefix else str(k))
+    else:
+        yield prefix, tree
+
+
+def save_hf_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike) -> None:
+    """Write `params` as an HF checkpoint (config.json + model.safetensors) transformers loads.
+
+    Tensor names use the prefix transformers 5.24 itself writes for both model types
+    (`backbone.`). Dtypes are kept as they are in `params`.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    prefix = "backbone."
+    flat = dict(_flatten(params))
+    tensors = {}
+    for e in _plan(cfg):
+        key = _path_str(e.path)
+        if key not in flat:
+            raise ValueError(f"save_hf_checkpoint: params lack {key}")
+        x = np.asarray(jax.device_get(flat.pop(key)))
+        if tuple(x.shape) != e.shape:
+            raise ValueError(
+                f"save_hf_checkpoint: {key} has shape {list(x.shape)}, expected {list(e.shape)}"
+            )
+        tensors[(prefix + e.hf_name) if _is_base(e) else e.hf_name] = e.to_hf(x)
+    if flat:
+        raise ValueError(
+            f"save_hf_checkpoint: params have entries not in the model: {sorted(flat)}"
+        )
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
+    _write_safetensors(path / SAFETENSORS_SINGLE, tensors)

@@ -1,0 +1,123 @@
+"""Tokenizers (host side): UTF-8 bytes for the demo model, HF `tokenizer.json` otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+from jaxmamba.config import ModelConfig
+
+# Presets whose vocabulary is ByteTokenizer's.
+BYTE_TOKENIZER_PRESETS = ("nemotron-h-tiny",)
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; 256 bos, 257 eos, 258 pad."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+    pad_token_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        # Specials and ids the model may sample beyond the byte range carry no text.
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """`tokenizers.Tokenizer` from `<dir>/tokenizer.json`; special ids from the model config,
+    else from `tokenizer_config.json`, else from common special-token spellings."""
+
+    _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+    _EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|im_end|>")
+    _PAD_NAMES = ("<pad>", "<|pad|>", "<|padding|>")
+
+    def __init__(self, path: str | os.PathLike, cfg: ModelConfig | None = None):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            self._tok = _Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on bad files
+            raise ValueError(f"cannot load tokenizer {file}: {e}") from e
+        named = self._named_specials(file.parent / "tokenizer_config.json")
+        self.bos_token_id = self._special(
+            cfg and cfg.bos_token_id, named.get("bos_token"), self._BOS_NAMES
+        )
+        self.eos_token_id = self._special(
+            cfg and cfg.eos_token_id, named.get("eos_token"), self._EOS_NAMES
+        )
+        self.pad_token_id = self._special(
+            cfg and cfg.pad_token_id, named.get("pad_token"), self._PAD_NAMES
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        # Specials are added here, not by the tokenizer's post-processor, so `add_bos` means
+        # the same thing for every tokenizer.json.
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @staticmethod
+    def _named_specials(path: Path) -> dict[str, str]:
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        out = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            v = d.get(key)
+            if isinstance(v, dict):  # AddedToken serialisation
+                v = v.get("content")
+            if isinstance(v, str):
+                out[key] = v
+        return out
+
+    def _special(self, from_cfg: int | None, name: str | None, fallbacks: tuple[str, ...]):
+        if isinstance(from_cfg, int) and not isinstance(from_cfg, bool):
+            return from_cfg
+        for n in (name, *fallbacks):
+            if n is not None and (i := self._tok.token_to_id(n)) is not None:
+                return i
+        return None
+
+
+def load_tokenizer(
+    model_spec: str | os.PathLike, cfg: ModelConfig | None = None
+) -> Tokenizer | None:
+    """ByteTokenizer for the byte-level presets, HFTokenizer for a directory with
+    tokenizer.json, else None (the caller then works on token ids only)."""
+    path = Path(model_spec)
+    if str(model_spec) in BYTE_TOKENIZER_PRESETS or (
+        path.suffix in (".yaml", ".yml") and path.stem in BYTE_TOKENIZER_PRESETS
+    ):
+        return ByteTokenizer()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return HFTokenizer(path, cfg)
+    return None
