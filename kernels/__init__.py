@@ -1,0 +1,51 @@
+"""Kernels for jaxmamba: plain-jnp references now, Pallas kernels behind ``impl=``.
+
+Notation (dimension letters used in every shape comment):
+
+  T   packed tokens of a step (padded; tokens >= cu_seqlens[-1] are padding)
+  S   sequences (rows) of a varlen batch; S' slots of a state pool (the last is the pad slot)
+  B   rows of a decode step (one token each)
+  H   SSM heads            P   SSM head dim          G   B/C groups (H % G == 0)
+  N   SSM state size       K   conv width            D   conv channels
+  C   chunk size           NC  number of chunks (static: T // C + 2S)
+  Hq, Hkv  query / key-value heads    Dh  attention head dim
+  NP  KV pages (+1 pad page)   PS  page size   R  page-table rows   MP  pages per row
+
+Every public op takes ``impl="auto"|"ref"|"pallas"|"interpret"`` (see ``dispatch.py``);
+the ``*_ref`` functions are the plain-jnp references with float32 accumulation.
+"""
+
+from .attention import paged_attention, paged_attention_ref, write_kv
+from .conv1d import (
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+    causal_conv1d_varlen,
+    causal_conv1d_varlen_ref,
+    conv_window_indices,
+    token_seq_ids,
+)
+from .dispatch import IMPLS, select_impl
+from .ssd import ChunkLayout, build_chunk_layout, num_chunks, process_dt, ssd_varlen, ssd_varlen_ref
+from .state_update import selective_state_update, selective_state_update_ref
+
+__all__ = [
+    "IMPLS",
+    "ChunkLayout",
+    "build_chunk_layout",
+    "causal_conv1d_update",
+    "causal_conv1d_update_ref",
+    "causal_conv1d_varlen",
+    "causal_conv1d_varlen_ref",
+    "conv_window_indices",
+    "num_chunks",
+    "paged_attention",
+    "paged_attention_ref",
+    "process_dt",
+    "select_impl",
+    "selective_state_update",
+    "selective_state_update_ref",
+    "ssd_varlen",
+    "ssd_varlen_ref",
+    "token_seq_ids",
+    "write_kv",
+]

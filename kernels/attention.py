@@ -1,0 +1,136 @@
+"""Paged KV cache writes and causal GQA attention over paged K/V (no RoPE)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .dispatch import select_impl
+
+
+def write_kv(
+    k_pages: jax.Array,  # [NP+1, PS, Hkv, Dh] last page is the pad sink
+    v_pages: jax.Array,  # [NP+1, PS, Hkv, Dh]
+    k: jax.Array,  # [T, Hkv, Dh]
+    v: jax.Array,  # [T, Hkv, Dh]
+    slot_mapping: jax.Array,  # i32[T] page * PS + offset; pad tokens point into the pad page
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter each token's K/V into its page slot; returns the new ``(k_pages, v_pages)``."""
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"expected k_pages, v_pages [NP+1, PS, Hkv, Dh]; got {k_pages.shape}, {v_pages.shape}"
+        )
+    num_tokens = k.shape[0]
+    if k.shape != (num_tokens,) + k_pages.shape[2:] or v.shape != k.shape:
+        raise ValueError(
+            f"expected k, v [T, Hkv, Dh] = [T, {k_pages.shape[2]}, {k_pages.shape[3]}]; "
+            f"got {k.shape}, {v.shape}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"expected slot_mapping [T={num_tokens}], got {slot_mapping.shape}")
+    pages_shape = k_pages.shape
+    flat_shape = (-1,) + pages_shape[2:]
+    new_k = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype))
+    new_v = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype))
+    return new_k.reshape(pages_shape), new_v.reshape(pages_shape)
+
+
+def paged_attention_ref(
+    q: jax.Array,  # [T, Hq, Dh]
+    k_pages: jax.Array,  # [NP+1, PS, Hkv, Dh]
+    v_pages: jax.Array,  # [NP+1, PS, Hkv, Dh]
+    page_table: jax.Array,  # i32[R, MP]
+    token_rows: jax.Array,  # i32[T]
+    token_positions: jax.Array,  # i32[T]
+    *,
+    scale: float,
+    block_tokens: int = 64,
+) -> jax.Array:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    max_pages = page_table.shape[1]
+    context = max_pages * page_size
+
+    num_blocks = -(-num_tokens // block_tokens)
+    pad = num_blocks * block_tokens - num_tokens
+    # Tokens added to fill the last block use row 0, position 0; their outputs are dropped.
+    q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(
+        num_blocks, block_tokens, num_kv_heads, group, head_dim
+    )
+    row_blocks = jnp.pad(token_rows, (0, pad)).reshape(num_blocks, block_tokens)
+    pos_blocks = jnp.pad(token_positions, (0, pad)).reshape(num_blocks, block_tokens)
+    key_pos = jnp.arange(context, dtype=jnp.int32)
+
+    def attend_block(inputs):
+        qb, rows, positions = inputs  # [bt, Hkv, g, Dh], [bt], [bt]
+        pages = page_table[rows]  # [bt, MP]
+        kb = k_pages[pages].reshape(block_tokens, context, num_kv_heads, head_dim)
+        vb = v_pages[pages].reshape(block_tokens, context, num_kv_heads, head_dim)
+        visible = key_pos[None, :] <= positions[:, None]  # [bt, L]
+        scores = (
+            jnp.einsum("bkgd,blkd->bkgl", qb.astype(jnp.float32), kb.astype(jnp.float32)) * scale
+        )
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        # Slots past a token's position may hold garbage (even NaN): 0 * NaN would leak.
+        vb = jnp.where(visible[:, :, None, None], vb.astype(jnp.float32), 0.0)
+        return jnp.einsum("bkgl,blkd->bkgd", probs, vb)
+
+    out = lax.map(attend_block, (q_blocks, row_blocks, pos_blocks))
+    out = out.reshape(num_blocks * block_tokens, num_q_heads, head_dim)[:num_tokens]
+    return out.astype(q.dtype)
+
+
+def paged_attention(
+    q: jax.Array,  # [T, Hq, Dh]
+    k_pages: jax.Array,  # [NP+1, PS, Hkv, Dh] last page is the pad sink
+    v_pages: jax.Array,  # [NP+1, PS, Hkv, Dh]
+    page_table: jax.Array,  # i32[R, MP] pages of each row; pad entries point at the pad page
+    token_rows: jax.Array,  # i32[T] row of each token (pad tokens: any in-range row)
+    token_positions: jax.Array,  # i32[T] absolute position of each token
+    *,
+    scale: float,
+    block_tokens: int = 64,
+    impl: str = "auto",
+) -> jax.Array:
+    """Causal GQA attention over paged K/V: token t attends to its row's keys at positions
+    ``0..token_positions[t]`` (its own K/V already written). Query head h uses KV head
+    ``h // (Hq // Hkv)``. Returns ``o [T, Hq, Dh]`` in ``q.dtype``.
+
+    Tokens are processed ``block_tokens`` at a time, each gathering its row's whole page list,
+    so peak memory is ``block_tokens * MP * PS * Hkv * Dh`` per K and V.
+    """
+    if q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"expected q [T, Hq, Dh], k_pages/v_pages [NP+1, PS, Hkv, Dh]; got q {q.shape}, "
+            f"k_pages {k_pages.shape}, v_pages {v_pages.shape}"
+        )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads {num_q_heads} must be a multiple of kv heads {num_kv_heads} and head dims "
+            f"must match; got q {q.shape}, k_pages {k_pages.shape}"
+        )
+    if page_table.ndim != 2:
+        raise ValueError(f"expected page_table [R, MP], got {page_table.shape}")
+    if token_rows.shape != (num_tokens,) or token_positions.shape != (num_tokens,):
+        raise ValueError(
+            f"expected token_rows, token_positions [T={num_tokens}]; got "
+            f"{token_rows.shape}, {token_positions.shape}"
+        )
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    fn = select_impl("paged_attention", impl, ref=paged_attention_ref)
+    return fn(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        token_rows,
+        token_positions,
+        scale=scale,
+        block_tokens=block_tokens,
+    )

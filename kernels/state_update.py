@@ -1,0 +1,107 @@
+"""Decode-step selective state update for Mamba2, reading and writing a slot-indexed pool."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .dispatch import select_impl
+from .ssd import process_dt
+
+
+def selective_state_update_ref(
+    state: jax.Array,  # [S', H, P, N]
+    x: jax.Array,  # [B, H, P]
+    dt: jax.Array,  # [B, H]
+    A: jax.Array,  # [H]
+    B: jax.Array,  # [B, G, N]
+    C: jax.Array,  # [B, G, N]
+    slots: jax.Array,  # i32[B]
+    *,
+    D: jax.Array | None = None,  # [H]
+    z: jax.Array | None = None,  # [B, H, P]
+    dt_bias: jax.Array | None = None,  # [H]
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[jax.Array, jax.Array]:
+    rows, num_heads, head_dim = x.shape
+    num_groups, state_size = B.shape[1:]
+    r = num_heads // num_groups
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [B, H]
+    decay = jnp.exp(dt * A.astype(jnp.float32))  # [B, H]
+    xf = x.astype(jnp.float32)
+    bh = jnp.repeat(B.astype(jnp.float32), r, axis=1)  # [B, H, N]
+    ch = jnp.repeat(C.astype(jnp.float32), r, axis=1)  # [B, H, N]
+    h = state[slots].astype(jnp.float32)  # [B, H, P, N]
+    h = decay[..., None, None] * h + (dt[..., None] * xf)[..., None] * bh[:, :, None, :]
+    y = jnp.einsum("bhpn,bhn->bhp", h, ch)
+    if D is not None:
+        y = y + D.astype(jnp.float32)[:, None] * xf
+    if z is not None:
+        y = y * jax.nn.silu(z.astype(jnp.float32))
+    new_state = state.at[slots].set(h.astype(state.dtype))
+    return y.astype(x.dtype), new_state
+
+
+def selective_state_update(
+    state: jax.Array,  # [S', H, P, N] slot pool (fp32 default), row S'-1 is the pad slot
+    x: jax.Array,  # [B, H, P] activation dtype
+    dt: jax.Array,  # [B, H] raw dt (before bias/softplus)
+    A: jax.Array,  # [H] negative
+    B: jax.Array,  # [B, G, N]
+    C: jax.Array,  # [B, G, N]
+    slots: jax.Array,  # i32[B] slot of each row (pad rows -> pad slot, duplicates allowed there)
+    *,
+    D: jax.Array | None = None,  # [H]
+    z: jax.Array | None = None,  # [B, H, P]
+    dt_bias: jax.Array | None = None,  # [H]
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """``h' = exp(dt A) h + dt x ⊗ B``; ``y = h'·C + D x``, gated by ``silu(z)``.
+
+    Returns ``(y [B, H, P] x.dtype, new_state [S', H, P, N] state.dtype)``.
+    """
+    if x.ndim != 3 or state.ndim != 4 or state.shape[1:3] != x.shape[1:]:
+        raise ValueError(
+            f"expected state [S', H, P, N] and x [B, H, P]; got {state.shape}, {x.shape}"
+        )
+    rows, num_heads, _ = x.shape
+    num_groups = B.shape[1] if B.ndim == 3 else 0
+    if (
+        dt.shape != (rows, num_heads)
+        or A.shape != (num_heads,)
+        or B.shape != (rows, num_groups, state.shape[3])
+        or C.shape != B.shape
+        or slots.shape != (rows,)
+        or num_groups == 0
+        or num_heads % num_groups
+    ):
+        raise ValueError(
+            f"expected dt [B, H], A [H], B/C [B, G, N] with H % G == 0, slots [B] for "
+            f"x {x.shape}, state {state.shape}; got dt {dt.shape}, A {A.shape}, B {B.shape}, "
+            f"C {C.shape}, slots {slots.shape}"
+        )
+    for name, arr, shape in (
+        ("D", D, (num_heads,)),
+        ("dt_bias", dt_bias, (num_heads,)),
+        ("z", z, x.shape),
+    ):
+        if arr is not None and arr.shape != shape:
+            raise ValueError(f"expected {name} {shape}, got {arr.shape}")
+    fn = select_impl("selective_state_update", impl, ref=selective_state_update_ref)
+    return fn(
+        state,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        slots,
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+    )
