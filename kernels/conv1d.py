@@ -25,10 +25,12 @@ def token_seq_ids(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
 
     With empty sequences several entries of ``cu_seqlens`` are equal; ``side="right"`` picks
     the last of them, i.e. the non-empty sequence that actually holds the token.
+    ``compare_all`` ([T, S+1] compares) is cheap for S in the hundreds, vectorises on every
+    backend and compiles much faster than the default while-loop search.
     """
     num_seqs = cu_seqlens.shape[0] - 1
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(cu_seqlens, t, side="right", method="compare_all").astype(jnp.int32) - 1
     return jnp.clip(seq, 0, num_seqs - 1)
 
 

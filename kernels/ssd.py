@@ -63,7 +63,7 @@ def build_chunk_layout(
     )  # [S+1]
 
     c = jnp.arange(nc, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_chunks, c, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(cu_chunks, c, side="right", method="compare_all").astype(jnp.int32) - 1
     used = c < cu_chunks[-1]
     seq_safe = jnp.clip(seq, 0, num_seqs - 1)
     j = c - cu_chunks[seq_safe]  # chunk index within its sequence

@@ -16,7 +16,7 @@ def _silu(v):
 
 
 def _f64(a):
-    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    return np.asarray(a).astype(np.float64)  # host-side: no eager device ops
 
 
 def _cu(lengths):
