@@ -87,7 +87,10 @@ def test_presets_give_documented_shapes():
     assert (nano.num_attention_heads, nano.num_key_value_heads, nano.head_dim) == (40, 8, 128)
     assert (nano.intermediate_size, nano.vocab_size, nano.chunk_size) == (15680, 131072, 128)
 
-    for name, hidden, layers, heads in (("mamba2-130m", 768, 24, 24), ("mamba2-2.7b", 2560, 64, 80)):
+    for name, hidden, layers, heads in (
+        ("mamba2-130m", 768, 24, 24),
+        ("mamba2-2.7b", 2560, 64, 80),
+    ):
         c = ModelConfig.from_preset(name)
         assert (c.hidden_size, c.num_layers, c.mamba_num_heads) == (hidden, layers, heads)
         assert c.d_inner == 2 * hidden and c.num_mamba_layers == layers
@@ -134,7 +137,15 @@ def test_nemotron_h_legacy_config_is_parsed():
     "layers",
     [
         {"layers_block_type": ["mamba", "attention", "mlp", "mamba", "mlp"]},
-        {"layers_block_type": ["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]},
+        {
+            "layers_block_type": [
+                "linear_attention",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+                "mlp",
+            ]
+        },
         {"layer_types": ["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]},
     ],
 )
