@@ -69,14 +69,14 @@ def paged_attention_ref(
         kb = k_pages[pages].reshape(block_tokens, context, num_kv_heads, head_dim)
         vb = v_pages[pages].reshape(block_tokens, context, num_kv_heads, head_dim)
         visible = key_pos[None, :] <= positions[:, None]  # [bt, L]
-        scores = (
-            jnp.einsum("bkgd,blkd->bkgl", qb.astype(jnp.float32), kb.astype(jnp.float32)) * scale
-        )
+        # K/V stay in the cache dtype (the [bt, L, Hkv, Dh] gathers dominate memory); the
+        # contractions accumulate in float32.
+        scores = scale * jnp.einsum("bkgd,blkd->bkgl", qb, kb, preferred_element_type=jnp.float32)
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         # Slots past a token's position may hold garbage (even NaN): 0 * NaN would leak.
-        vb = jnp.where(visible[:, :, None, None], vb.astype(jnp.float32), 0.0)
-        return jnp.einsum("bkgl,blkd->bkgd", probs, vb)
+        vb = jnp.where(visible[:, :, None, None], vb, jnp.zeros((), vb.dtype))
+        return jnp.einsum("bkgl,blkd->bkgd", probs, vb, preferred_element_type=jnp.float32)
 
     out = lax.map(attend_block, (q_blocks, row_blocks, pos_blocks))
     out = out.reshape(num_blocks * block_tokens, num_q_heads, head_dim)[:num_tokens]
