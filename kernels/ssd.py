@@ -169,18 +169,18 @@ def ssd_varlen_ref(
                 jnp.zeros((1,) + state_shape, jnp.float32),
             ]
         )
-    chunk_init = init[layout.chunk_seq]  # [NC, G, R, P, N]
 
     def step(carry, inputs):
-        first, start_state, dec, local = inputs
-        entering = jnp.where(first, start_state, carry)
+        first, seq, dec, local = inputs
+        entering = jnp.where(first, init[seq], carry)
         out = entering * dec[..., None, None] + local
         return out, (entering, out)
 
+    # chunk_states of unused chunks are arbitrary (they carry the previous state along).
     _, (entering, chunk_states) = lax.scan(
         step,
         jnp.zeros(state_shape, jnp.float32),
-        (layout.chunk_first, chunk_init, chunk_decay, local_states),
+        (layout.chunk_first, layout.chunk_seq, chunk_decay, local_states),
     )
 
     # Inter-chunk (off-diagonal): y_i += exp(cum_i) C_i · entering state.
@@ -235,8 +235,8 @@ def ssd_varlen(
     Returns ``(y [T, H, P] x.dtype, final_states [S, H, P, N])`` and, with
     ``return_chunk_states``, ``chunk_states [NC, H, P, N]``: the state after the last token of
     each chunk of ``layout`` (or ``build_chunk_layout(cu_seqlens, T, chunk_size,
-    start_positions)``). States have the dtype of ``initial_states`` (float32 without); an
-    empty sequence's final state is its initial state.
+    start_positions)``; unused chunks hold arbitrary values). States have the dtype of
+    ``initial_states`` (float32 without); an empty sequence's final state is its initial state.
     """
     num_tokens, num_heads, head_dim = x.shape if x.ndim == 3 else (None,) * 3
     if x.ndim != 3 or dt.shape != (num_tokens, num_heads) or A.shape != (num_heads,):
