@@ -206,7 +206,8 @@ class _Entry:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.to_ours(np.empty(self.hf_shape, np.int8)).shape)
+        # A zero-stride view: the transforms run on it without allocating anything.
+        return tuple(self.to_ours(np.broadcast_to(np.int8(0), self.hf_shape)).shape)
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -225,15 +226,19 @@ def _conv_to_hf(x: np.ndarray) -> np.ndarray:
     return x.T[:, None, :]  # [K, C] -> [C, 1, K]
 
 
+def _vector(path, hf_name, n, fp32=False) -> _Entry:
+    return _Entry(path, hf_name, (n,), _identity, _identity, fp32)
+
+
 def _linear(path, hf, d_in, d_out, bias) -> list[_Entry]:
     out = [_Entry((*path, "kernel"), f"{hf}.weight", (d_out, d_in), _transpose, _transpose, False)]
     if bias:
-        out.append(_Entry((*path, "bias"), f"{hf}.bias", (d_out,), _identity, _identity, False))
+        out.append(_vector((*path, "bias"), f"{hf}.bias", d_out))
     return out
 
 
 def _norm(path, hf, dim) -> _Entry:
-    return _Entry((*path, "scale"), f"{hf}.weight", (dim,), _identity, _identity, True)
+    return _vector((*path, "scale"), f"{hf}.weight", dim, fp32=True)
 
 
 def _plan(cfg: ModelConfig) -> list[_Entry]:
@@ -250,23 +255,15 @@ def _plan(cfg: ModelConfig) -> list[_Entry]:
             plan += _linear(
                 (*m, "in_proj"), f"{hm}.in_proj", E, cfg.in_proj_dim, cfg.mamba_proj_bias
             )
+            conv = (C, 1, cfg.conv_kernel)
             plan.append(
-                _Entry((*m, "conv1d", "kernel"), f"{hm}.conv1d.weight", (C, 1, cfg.conv_kernel),
-                       _conv_to_ours, _conv_to_hf, False)
+                _Entry((*m, "conv1d", "kernel"), f"{hm}.conv1d.weight", conv, _conv_to_ours,
+                       _conv_to_hf, False)
             )  # fmt: skip
             if cfg.use_conv_bias:
-                plan.append(
-                    _Entry(
-                        (*m, "conv1d", "bias"),
-                        f"{hm}.conv1d.bias",
-                        (C,),
-                        _identity,
-                        _identity,
-                        False,
-                    )
-                )
+                plan.append(_vector((*m, "conv1d", "bias"), f"{hm}.conv1d.bias", C))
             for p in ("dt_bias", "A_log", "D"):
-                plan.append(_Entry((*m, p), f"{hm}.{p}", (H,), _identity, _identity, True))
+                plan.append(_vector((*m, p), f"{hm}.{p}", H, fp32=True))
             plan.append(_norm((*m, "norm"), f"{hm}.norm", cfg.d_inner))
             plan += _linear((*m, "out_proj"), f"{hm}.out_proj", cfg.d_inner, E, cfg.mamba_proj_bias)
         elif kind == "attention":

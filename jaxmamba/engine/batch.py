@@ -1,0 +1,173 @@
+"""Host side of a step: turn a list of row descriptions into padded `StepInputs` (numpy).
+
+Validation happens here, in numpy, before anything is dispatched: a malformed step raises a
+`ValueError` that names the row and the values, and the device never sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.metadata import StepInputs
+
+
+@dataclass
+class RowSpec:
+    """One row of a step: `tokens` are appended after `prefix_len` cached tokens."""
+
+    tokens: list[int]
+    prefix_len: int
+    state_slot: int
+    pages: list[int]
+    init_slot: int | None = None  # defaults to state_slot; a prefix-cache hit reads elsewhere
+    track_slot: int | None = None
+    track_len: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    sample_counter: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    num_tokens: int
+    num_rows: int
+    num_decode: int = 0
+
+
+def pow2_buckets(limit: int, start: int = 1) -> list[int]:
+    sizes, n = [], start
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    sizes.append(limit)
+    return sizes
+
+
+def smallest_fitting(sizes: list[int], n: int, what: str) -> int:
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{what} {n} exceeds the largest bucket {sizes[-1]}")
+
+
+@dataclass
+class StepBuilder:
+    """Packs rows into `StepInputs` for a bucket. Decode rows come first, one token each."""
+
+    spec: CacheSpec
+    max_pages_per_seq: int
+    vocab_size: int
+    chunk_size: int
+
+    def build(
+        self, rows: list[RowSpec], bucket: Bucket, num_decode_rows: int | None = None
+    ) -> StepInputs:
+        """Pack `rows` (decode rows first) into `bucket`.
+
+        A pure decode bucket pads with empty rows at the end. A mixed bucket reserves its
+        first `bucket.num_decode` tokens for decode rows: when fewer than that decode
+        (`num_decode_rows`), dummy one-token rows on the pad slot/page fill the gap, so the
+        prefill tokens always start at token `num_decode`.
+        """
+        nd = bucket.num_decode
+        if 0 < nd < bucket.num_rows:
+            real = nd if num_decode_rows is None else num_decode_rows
+            if real > nd:
+                raise ValueError(f"{real} decode rows do not fit the bucket's {nd} decode rows")
+            filler = RowSpec([0], 0, self.spec.pad_slot, [])
+            filler.init_slot = self.spec.pad_slot
+            rows = rows[:real] + [filler] * (nd - real) + rows[real:]
+        self._validate(rows, bucket)
+        T, B = bucket.num_tokens, bucket.num_rows
+        pad_slot, pad_page = self.spec.pad_slot, self.spec.pad_page
+        input_ids = np.zeros(T, np.int32)
+        qsl = np.zeros(B + 1, np.int32)
+        prefix_lens = np.zeros(B, np.int32)
+        state_slots = np.full(B, pad_slot, np.int32)
+        init_slots = np.full(B, pad_slot, np.int32)
+        has_init = np.zeros(B, bool)
+        track_slots = np.full(B, pad_slot, np.int32)
+        track_lens = np.zeros(B, np.int32)
+        page_table = np.full((B, self.max_pages_per_seq), pad_page, np.int32)
+        temperature = np.zeros(B, np.float32)
+        top_p = np.ones(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        seeds = np.zeros(B, np.uint32)
+        counters = np.zeros(B, np.int32)
+        offset = 0
+        for r, row in enumerate(rows):
+            n = len(row.tokens)
+            input_ids[offset : offset + n] = row.tokens
+            offset += n
+            prefix_lens[r] = row.prefix_len
+            state_slots[r] = row.state_slot
+            init_slots[r] = row.state_slot if row.init_slot is None else row.init_slot
+            has_init[r] = row.prefix_len > 0 and row.state_slot != pad_slot
+            if row.track_slot is not None:
+                track_slots[r] = row.track_slot
+                track_lens[r] = row.track_len
+            page_table[r, : len(row.pages)] = row.pages
+            temperature[r] = row.temperature
+            top_p[r] = row.top_p
+            top_k[r] = row.top_k
+            seeds[r] = np.uint32(row.seed & 0xFFFFFFFF)
+            counters[r] = row.sample_counter
+        qsl[1 : len(rows) + 1] = np.cumsum([len(row.tokens) for row in rows])
+        qsl[len(rows) + 1 :] = offset
+        return StepInputs(
+            input_ids, qsl, prefix_lens, state_slots, init_slots, has_init, track_slots,
+            track_lens, page_table, temperature, top_p, top_k, seeds, counters,
+        )  # fmt: skip
+
+    def _validate(self, rows: list[RowSpec], bucket: Bucket) -> None:
+        if not rows:
+            raise ValueError("a step needs at least one row")
+        if len(rows) > bucket.num_rows:
+            raise ValueError(f"{len(rows)} rows do not fit the bucket's {bucket.num_rows} rows")
+        total = sum(len(row.tokens) for row in rows)
+        if total > bucket.num_tokens:
+            raise ValueError(f"{total} tokens do not fit the bucket's {bucket.num_tokens} tokens")
+        nd = bucket.num_decode
+        if nd:
+            if nd == bucket.num_rows and bucket.num_tokens != nd:
+                raise ValueError(
+                    f"a pure decode bucket needs num_tokens == num_rows, got {bucket}"
+                )
+        page_size = self.spec.page_size
+        for r, row in enumerate(rows):
+            n = len(row.tokens)
+            if row.state_slot == self.spec.pad_slot:
+                continue  # a filler row
+            if n == 0:
+                raise ValueError(f"row {r} has no tokens")
+            if r < nd and n != 1:
+                raise ValueError(f"decode row {r} must carry exactly 1 token, got {n}")
+            bad = [t for t in row.tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"row {r}: token ids {bad[:5]} outside the vocab [0, {self.vocab_size})")
+            need = -(-row.seq_len // page_size)
+            if need > self.max_pages_per_seq:
+                raise ValueError(
+                    f"row {r}: length {row.seq_len} needs {need} pages, max {self.max_pages_per_seq}"
+                )
+            if len(row.pages) < need:
+                raise ValueError(f"row {r}: length {row.seq_len} needs {need} pages, has {len(row.pages)}")
+            if row.track_slot is not None:
+                lo, hi = row.prefix_len, row.seq_len
+                aligned = row.track_len % self.chunk_size == 0 or row.track_len == hi
+                if not (lo < row.track_len <= hi and aligned):
+                    raise ValueError(
+                        f"row {r}: track_len {row.track_len} must be in ({lo}, {hi}] and a multiple "
+                        f"of chunk_size {self.chunk_size} (or the row's end)"
+                    )
+                if r < nd and row.track_len != hi:
+                    raise ValueError(f"decode row {r}: track_len must equal its length {hi}")

@@ -1,0 +1,77 @@
+"""The device-side state cache: slot pools for Mamba states and paged KV for attention.
+
+Every pool has one extra entry at the end — the **pad sink**. Padding rows, rows that track
+nothing this step and padding tokens write there, so no write ever branches on device data.
+Pools are kept per layer (tuples) so a kernel can update one layer's pool in place through
+buffer donation without slicing a stacked array.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxmamba.config import ModelConfig
+
+
+class CacheSpec(NamedTuple):
+    """Sizes of a cache; `num_slots`/`num_pages` exclude the pad slot/page."""
+
+    num_slots: int
+    num_pages: int
+    page_size: int
+    ssm_dtype: str = "float32"
+
+    @property
+    def pad_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def pad_page(self) -> int:
+        return self.num_pages
+
+
+class StateCache(NamedTuple):
+    conv: tuple[jax.Array, ...]  # per Mamba layer: [S+1, K-1, conv_dim] activation dtype
+    ssm: tuple[jax.Array, ...]  # per Mamba layer: [S+1, H, P, N] f32 (or bf16 by spec)
+    k_pages: tuple[jax.Array, ...]  # per attention layer: [NP+1, page_size, Hkv, Dh]
+    v_pages: tuple[jax.Array, ...]  # per attention layer: [NP+1, page_size, Hkv, Dh]
+
+
+# Logical axis names of each cache array, for sharding (heads split across devices).
+CACHE_LOGICAL_AXES = {
+    "conv": ("slots", None, "mamba_conv"),
+    "ssm": ("slots", "mamba_heads", None, None),
+    "k_pages": ("pages", None, "kv_heads", None),
+    "v_pages": ("pages", None, "kv_heads", None),
+}
+
+
+def cache_shapes(cfg: ModelConfig, spec: CacheSpec, dtype) -> StateCache:
+    """Shapes and dtypes of every cache array, as `jax.ShapeDtypeStruct`s."""
+    conv = jax.ShapeDtypeStruct((spec.num_slots + 1, cfg.conv_kernel - 1, cfg.conv_dim), dtype)
+    ssm = jax.ShapeDtypeStruct(
+        (spec.num_slots + 1, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size),
+        jnp.dtype(spec.ssm_dtype),
+    )
+    kv = jax.ShapeDtypeStruct(
+        (spec.num_pages + 1, spec.page_size, cfg.num_key_value_heads, cfg.head_dim), dtype
+    )
+    return StateCache(
+        conv=(conv,) * cfg.num_mamba_layers,
+        ssm=(ssm,) * cfg.num_mamba_layers,
+        k_pages=(kv,) * cfg.num_attention_layers,
+        v_pages=(kv,) * cfg.num_attention_layers,
+    )
+
+
+def init_cache(cfg: ModelConfig, spec: CacheSpec, dtype) -> StateCache:
+    """A zeroed cache. States are always written before they are read as initial states."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, spec, dtype))
+
+
+def cache_bytes(cfg: ModelConfig, spec: CacheSpec, dtype) -> int:
+    leaves = jax.tree.leaves(cache_shapes(cfg, spec, dtype))
+    return sum(s.size * jnp.dtype(s.dtype).itemsize for s in leaves)

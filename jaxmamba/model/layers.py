@@ -1,0 +1,111 @@
+"""Building blocks shared by the mixers: linear projections, RMS norms, the relu² MLP.
+
+Every parameter is declared with logical axis names (see `LOGICAL_AXES` in `model.py`) so a
+tensor-parallel mesh can shard it later without touching the layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Dtype = Any
+
+
+def matmul_precision(dtype: Dtype) -> lax.Precision:
+    # fp32 models are the parity reference: keep the MXU/tensor cores from dropping to tf32/bf16.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+class Linear(nn.Module):
+    """`y = x @ kernel (+ bias)` with kernel `[in, out]`, accumulated in float32."""
+
+    features: int
+    axes: tuple[str | None, str | None]
+    use_bias: bool = False
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
+            (x.shape[-1], self.features),
+            self.dtype,
+        )
+        y = jnp.dot(
+            x.astype(self.dtype),
+            kernel,
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(self.dtype),
+        )
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
+                (self.features,),
+                self.dtype,
+            )
+            y = y + bias.astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with the weight applied in float32 and the result cast to `dtype` (as HF does)."""
+
+    eps: float
+    dtype: Dtype = jnp.float32
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],),
+            jnp.float32,
+        )
+        x = x.astype(jnp.float32)
+        x = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (scale * x).astype(self.dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """`rmsnorm(y * silu(z))` normalised within `num_groups` equal groups of the last axis."""
+
+    num_groups: int
+    eps: float
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
+        width = y.shape[-1]
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, ("mamba_inner",)),
+            (width,),
+            jnp.float32,
+        )
+        y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        grouped = y.reshape(*y.shape[:-1], self.num_groups, width // self.num_groups)
+        grouped = grouped * lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
+        return (scale * grouped.reshape(y.shape)).astype(self.dtype)
+
+
+class ReluSquaredMLP(nn.Module):
+    """`down(relu(up(x))²)` — the Nemotron-H MLP block."""
+
+    hidden_size: int
+    intermediate_size: int
+    use_bias: bool
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = Linear(self.intermediate_size, ("embed", "mlp"), self.use_bias, self.dtype, name="up_proj")(x)
+        h = jnp.square(jax.nn.relu(h.astype(jnp.float32))).astype(self.dtype)
+        return Linear(self.hidden_size, ("mlp", "embed"), self.use_bias, self.dtype, name="down_proj")(h)

@@ -1,0 +1,154 @@
+"""The Mamba2 mixer over a step's packed tokens, reading and writing its layer's state pools.
+
+Decode rows go through the single-token conv update and the selective state update (state
+read and written once, in place by slot); prefill/extend rows go through the varlen causal
+conv and the chunked SSD scan, starting from their initial state and writing their final
+state — and, for rows that track this step, the checkpoint at the tracked length.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from jaxmamba.kernels.ssd import ssd_varlen
+from jaxmamba.kernels.state_update import selective_state_update
+from jaxmamba.model.layers import Dtype, GatedGroupRMSNorm, Linear
+from jaxmamba.model.metadata import ForwardMetadata
+
+
+def _a_log_init(key, shape, dtype=jnp.float32):
+    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+    # softplus⁻¹ of dt drawn log-uniformly in [1e-3, 1e-1], as Mamba2 initialises it.
+    dt = jnp.exp(jax.random.uniform(key, shape, dtype, jnp.log(1e-3), jnp.log(1e-1)))
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class DepthwiseConvWeights(nn.Module):
+    """The causal conv's parameters: kernel `[K, conv_dim]` and an optional bias."""
+
+    width: int
+    channels: int
+    use_bias: bool
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array | None]:
+        init = nn.initializers.normal(0.2)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(init, (None, "mamba_conv")),
+            (self.width, self.channels),
+            self.dtype,
+        )
+        bias = None
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, ("mamba_conv",)),
+                (self.channels,),
+                self.dtype,
+            )
+        return kernel, bias
+
+
+class Mamba2Mixer(nn.Module):
+    cfg: ModelConfig
+    dtype: Dtype = jnp.float32
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,  # [T, E]
+        conv_pool: jax.Array,  # [S+1, K-1, conv_dim]
+        ssm_pool: jax.Array,  # [S+1, H, P, N]
+        meta: ForwardMetadata,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        H, P, G, N, K = (
+            cfg.mamba_num_heads,
+            cfg.mamba_head_dim,
+            cfg.n_groups,
+            cfg.ssm_state_size,
+            cfg.conv_kernel,
+        )
+        d_inner, conv_dim = cfg.d_inner, cfg.conv_dim
+        num_tokens = x.shape[0]
+
+        zxbcdt = Linear(
+            cfg.in_proj_dim, ("embed", "mamba_in"), cfg.mamba_proj_bias, self.dtype, name="in_proj"
+        )(x)
+        z, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
+
+        weight, bias = DepthwiseConvWeights(K, conv_dim, cfg.use_conv_bias, self.dtype, name="conv1d")()
+        dt_bias = self.param(
+            "dt_bias", nn.with_logical_partitioning(_dt_bias_init, ("mamba_heads",)), (H,)
+        )
+        a_log = self.param("A_log", nn.with_logical_partitioning(_a_log_init, ("mamba_heads",)), (H,))
+        d_skip = self.param(
+            "D", nn.with_logical_partitioning(nn.initializers.ones, ("mamba_heads",)), (H,)
+        )
+        A = -jnp.exp(a_log.astype(jnp.float32))
+
+        def split_xbc(v):  # [..., conv_dim] -> x [..., H, P], B/C [..., G, N]
+            xs, b, c = jnp.split(v, [d_inner, d_inner + G * N], axis=-1)
+            lead = v.shape[:-1]
+            return xs.reshape(*lead, H, P), b.reshape(*lead, G, N), c.reshape(*lead, G, N)
+
+        outputs = []
+        bd = 0 if meta.decode is None else meta.decode.state_slots.shape[0]  # decode tokens
+        if meta.decode is not None:
+            dec = meta.decode
+            xbc_d, conv_pool = causal_conv1d_update(
+                conv_pool, xbc[:bd], weight, bias, dec.state_slots, activation="silu", impl=self.impl
+            )
+            x_d, b_d, c_d = split_xbc(xbc_d)
+            # HF and the reference kernels clamp dt only in the chunked (prefill) path.
+            y_d, ssm_pool = selective_state_update(
+                ssm_pool, x_d, dt[:bd], A, b_d, c_d, dec.state_slots,
+                D=d_skip, dt_bias=dt_bias, dt_softplus=True, impl=self.impl,
+            )  # fmt: skip
+            # Decode checkpoint: copy the just-updated state to the track slot (pad → pad).
+            conv_pool = conv_pool.at[dec.track_slots].set(conv_pool[dec.state_slots])
+            ssm_pool = ssm_pool.at[dec.track_slots].set(ssm_pool[dec.state_slots])
+            outputs.append(y_d)
+
+        if meta.prefill is not None:
+            pre = meta.prefill
+            xbc_p = xbc[bd:]
+            has_init = pre.has_initial_state
+            init_conv = jnp.where(has_init[:, None, None], conv_pool[pre.init_slots], 0)
+            xbc_p, conv_final, conv_tracked = causal_conv1d_varlen(
+                xbc_p, weight, bias, pre.cu_seqlens,
+                initial_states=init_conv, track_ends=pre.track_ends, activation="silu", impl=self.impl,
+            )  # fmt: skip
+            x_p, b_p, c_p = split_xbc(xbc_p)
+            init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[pre.init_slots], 0)
+            y_p, ssm_final, chunk_states = ssd_varlen(
+                x_p, dt[bd:], A, b_p, c_p, pre.cu_seqlens,
+                chunk_size=cfg.chunk_size, D=d_skip, dt_bias=dt_bias, dt_softplus=True,
+                dt_limit=tuple(cfg.time_step_limit), initial_states=init_ssm.astype(jnp.float32),
+                start_positions=pre.start_positions, layout=pre.layout,
+                return_chunk_states=True, impl=self.impl,
+            )  # fmt: skip
+            conv_pool = conv_pool.at[pre.state_slots].set(conv_final.astype(conv_pool.dtype))
+            conv_pool = conv_pool.at[pre.track_slots].set(conv_tracked.astype(conv_pool.dtype))
+            ssm_pool = ssm_pool.at[pre.state_slots].set(ssm_final.astype(ssm_pool.dtype))
+            ssm_tracked = chunk_states[pre.track_chunks]
+            ssm_pool = ssm_pool.at[pre.track_slots].set(ssm_tracked.astype(ssm_pool.dtype))
+            outputs.append(y_p)
+
+        y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+        y = y.reshape(num_tokens, d_inner)
+        y = GatedGroupRMSNorm(G, cfg.norm_eps, self.dtype, name="norm")(y, z)
+        out = Linear(
+            cfg.hidden_size, ("mamba_inner", "embed"), cfg.mamba_proj_bias, self.dtype, name="out_proj"
+        )(y)
+        return out, conv_pool, ssm_pool

@@ -1,0 +1,147 @@
+"""Per-step inputs and the metadata every layer reads, derived once per jitted forward.
+
+Layout of a step (all shapes static, padded to a bucket):
+
+* tokens: ``T`` packed tokens; the first ``num_decode`` tokens belong to the decode rows
+  (one token each), the rest to the prefill/extend rows, row after row; tokens past the
+  last row's end are padding.
+* rows: ``B`` rows; rows ``[0, num_decode)`` decode, rows ``[num_decode, B)`` prefill.
+  Padding rows have zero tokens and point at the pad slot / pad page.
+
+`ForwardMetadata.build` turns the host's `StepInputs` into everything the layers need: the
+token→row map, positions, the KV write slots, the varlen chunk layout, and the **tracked-row
+selection** (where each row's state checkpoint goes this step and which chunk/conv window it
+is read from). Nothing here reads a device value on the host, branches on traced data, or
+uses an unsized `nonzero`: the selection is masked scatters into the pad slot.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxmamba.kernels.ssd import ChunkLayout, build_chunk_layout
+
+
+class StepInputs(NamedTuple):
+    """Fixed-shape arrays the host fills for one step; moved with a single `device_put`."""
+
+    input_ids: jax.Array  # i32[T]
+    query_start_loc: jax.Array  # i32[B+1] cumulative token counts per row (pad rows: 0 tokens)
+    prefix_lens: jax.Array  # i32[B] tokens already in the cache before this step
+    state_slots: jax.Array  # i32[B] working state slot (pad rows: the pad slot)
+    init_slots: jax.Array  # i32[B] slot the initial state is read from (a prefix-cache hit's node)
+    has_initial_state: jax.Array  # bool[B]
+    track_slots: jax.Array  # i32[B] where to checkpoint the state this step (else the pad slot)
+    track_lens: jax.Array  # i32[B] absolute length of that checkpoint (0 when none)
+    page_table: jax.Array  # i32[B, MP] KV pages per row (pad entries: the pad page)
+    temperature: jax.Array  # f32[B] 0 = greedy
+    top_p: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B] 0 = off
+    seeds: jax.Array  # u32[B] per-request sampling seed
+    sample_counters: jax.Array  # i32[B] tokens sampled so far (folds into the seed)
+
+
+class PrefillMetadata(NamedTuple):
+    """The varlen part of a step: rows ``[num_decode, B)`` and their tokens."""
+
+    cu_seqlens: jax.Array  # i32[Bp+1] relative to the first prefill token
+    start_positions: jax.Array  # i32[Bp] absolute position of each row's first new token
+    layout: ChunkLayout  # chunk layout shared by every Mamba layer
+    state_slots: jax.Array  # i32[Bp]
+    init_slots: jax.Array  # i32[Bp]
+    has_initial_state: jax.Array  # bool[Bp]
+    track_slots: jax.Array  # i32[Bp] checkpoint target, pad slot when the row tracks nothing
+    track_ends: jax.Array  # i32[Bp] tracked length relative to the row's first new token
+    track_chunks: jax.Array  # i32[Bp] chunk whose end state is the tracked SSM state
+
+
+class DecodeMetadata(NamedTuple):
+    """The decode part of a step: rows ``[0, num_decode)``, one token each."""
+
+    state_slots: jax.Array  # i32[Bd]
+    track_slots: jax.Array  # i32[Bd] copy the updated state here (pad slot when not tracking)
+
+
+class ForwardMetadata(NamedTuple):
+    token_rows: jax.Array  # i32[T] row of each token (pad tokens: clamped to a valid row)
+    token_valid: jax.Array  # bool[T]
+    positions: jax.Array  # i32[T] absolute position of each token
+    kv_slot_mapping: jax.Array  # i32[T] flat KV write index page*page_size+offset (pad → pad page)
+    page_table: jax.Array  # i32[B, MP]
+    last_token_index: jax.Array  # i32[B] token whose logits are sampled for each row
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+
+    @staticmethod
+    def build(
+        inputs: StepInputs,
+        *,
+        num_decode: int,
+        chunk_size: int,
+        page_size: int,
+        pad_page: int,
+    ) -> ForwardMetadata:
+        """Derive the step's metadata on device. Call once per forward, inside the jit."""
+        inputs = jax.tree.map(jnp.asarray, inputs)
+        num_tokens = inputs.input_ids.shape[0]
+        num_rows = inputs.state_slots.shape[0]
+        qsl = inputs.query_start_loc
+        token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
+        raw_rows = jnp.searchsorted(qsl[1:], token_ids, side="right").astype(jnp.int32)
+        token_valid = token_ids < qsl[-1]
+        token_rows = jnp.minimum(raw_rows, num_rows - 1)
+        positions = inputs.prefix_lens[token_rows] + token_ids - qsl[token_rows]
+        positions = jnp.where(token_valid, positions, 0)
+
+        page_of_token = inputs.page_table[token_rows, positions // page_size]
+        kv_slot_mapping = jnp.where(
+            token_valid, page_of_token * page_size + positions % page_size, pad_page * page_size
+        )
+        last_token_index = jnp.maximum(qsl[1:] - 1, 0)
+
+        decode = None
+        if num_decode > 0:
+            decode = DecodeMetadata(
+                state_slots=inputs.state_slots[:num_decode],
+                track_slots=inputs.track_slots[:num_decode],
+            )
+
+        prefill = None
+        num_prefill_tokens = num_tokens - num_decode
+        if num_rows > num_decode and num_prefill_tokens > 0:
+            rows = slice(num_decode, None)
+            cu_seqlens = qsl[num_decode:] - qsl[num_decode]
+            starts = inputs.prefix_lens[rows]
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            layout = build_chunk_layout(cu_seqlens, num_prefill_tokens, chunk_size, starts)
+            track_ends = jnp.clip(inputs.track_lens[rows] - starts, 0, lengths)
+            # The tracked length is a chunk boundary (or the row's end), so its state is the
+            # end state of the chunk holding the token just before it.
+            chunk_of_end = (starts + jnp.maximum(track_ends, 1) - 1) // chunk_size
+            track_chunks = layout.seq_first_chunk + chunk_of_end - starts // chunk_size
+            num_chunks = layout.chunk_seq.shape[0]
+            prefill = PrefillMetadata(
+                cu_seqlens=cu_seqlens,
+                start_positions=starts,
+                layout=layout,
+                state_slots=inputs.state_slots[rows],
+                init_slots=inputs.init_slots[rows],
+                has_initial_state=inputs.has_initial_state[rows],
+                track_slots=inputs.track_slots[rows],
+                track_ends=track_ends,
+                track_chunks=jnp.clip(track_chunks, 0, num_chunks - 1),
+            )
+
+        return ForwardMetadata(
+            token_rows=token_rows,
+            token_valid=token_valid,
+            positions=positions,
+            kv_slot_mapping=kv_slot_mapping,
+            page_table=inputs.page_table,
+            last_token_index=last_token_index,
+            decode=decode,
+            prefill=prefill,
+        )

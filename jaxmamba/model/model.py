@@ -1,0 +1,136 @@
+"""The Mamba2-hybrid language model: embed → [Mamba2 | attention | MLP] × L → norm → lm_head.
+
+Functional at the jit boundary: `params`, `cache` and the step's `ForwardMetadata` go in,
+hidden states and the new cache come out (`Mamba2HybridLM.apply`). The layer pattern comes
+from `ModelConfig.layer_types`; a pure Mamba2 LM is the pattern with only "mamba".
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.model.attention import Attention
+from jaxmamba.model.cache import StateCache
+from jaxmamba.model.layers import Dtype, ReluSquaredMLP, RMSNorm, matmul_precision
+from jaxmamba.model.mamba2 import Mamba2Mixer
+from jaxmamba.model.metadata import ForwardMetadata
+
+# Logical axis names used by parameters and caches. A sharding rule maps each to a mesh axis.
+LOGICAL_AXES = (
+    "vocab", "embed", "mlp", "q_heads", "kv_heads",
+    "mamba_in", "mamba_inner", "mamba_conv", "mamba_heads", "slots", "pages",
+)  # fmt: skip
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: `x + mixer(rmsnorm(x))`; the residual stream stays float32."""
+
+    cfg: ModelConfig
+    layer_type: str
+    dtype: Dtype
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x, cache_entry, meta):
+        h = RMSNorm(self.cfg.norm_eps, self.dtype, name="norm")(x)
+        if self.layer_type == "mamba":
+            out, *cache_entry = Mamba2Mixer(self.cfg, self.dtype, self.impl, name="mixer")(
+                h, *cache_entry, meta
+            )
+        elif self.layer_type == "attention":
+            out, *cache_entry = Attention(self.cfg, self.dtype, self.impl, name="mixer")(
+                h, *cache_entry, meta
+            )
+        else:
+            cfg = self.cfg
+            out = ReluSquaredMLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, self.dtype, name="mixer"
+            )(h)
+        return x + out.astype(jnp.float32), tuple(cache_entry)
+
+
+class LMHead(nn.Module):
+    """Holds the untied output projection `kernel [E, V]`."""
+
+    hidden_size: int
+    vocab_size: int
+    dtype: Dtype
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
+            (self.hidden_size, self.vocab_size),
+            self.dtype,
+        )
+
+
+class Mamba2HybridLM(nn.Module):
+    cfg: ModelConfig
+    dtype: Dtype = jnp.float32
+    impl: str = "auto"
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.dtype,
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(1.0), ("vocab", "embed")
+            ),
+        )
+        self.layers = [
+            Block(cfg, layer_type, self.dtype, self.impl) for layer_type in cfg.layer_types
+        ]
+        self.norm_f = RMSNorm(cfg.norm_eps, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.dtype)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]
+        cache: StateCache,
+        meta: ForwardMetadata,
+    ) -> tuple[jax.Array, StateCache]:
+        """Run every layer over the step's tokens; returns final-normed hidden `[T, E]` and the cache."""
+        cfg = self.cfg
+        x = self.embed(input_ids).astype(jnp.float32)
+        conv, ssm = list(cache.conv), list(cache.ssm)
+        k_pages, v_pages = list(cache.k_pages), list(cache.v_pages)
+        mamba_index = {layer: i for i, layer in enumerate(cfg.mamba_layers)}
+        attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        for layer, block in enumerate(self.layers):
+            if layer in mamba_index:
+                m = mamba_index[layer]
+                x, (conv[m], ssm[m]) = block(x, (conv[m], ssm[m]), meta)
+            elif layer in attention_index:
+                a = attention_index[layer]
+                x, (k_pages[a], v_pages[a]) = block(x, (k_pages[a], v_pages[a]), meta)
+            else:
+                x, _ = block(x, (), meta)
+        hidden = self.norm_f(x)
+        return hidden, StateCache(tuple(conv), tuple(ssm), tuple(k_pages), tuple(v_pages))
+
+    def forward_logits(self, input_ids, cache, meta) -> tuple[jax.Array, StateCache]:
+        """Logits for every token `[T, V]` and the new cache (also what `init` traces)."""
+        hidden, cache = self(input_ids, cache, meta)
+        return self.logits(hidden), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """`[..., E]` → float32 logits `[..., V]`."""
+        if self.cfg.tie_word_embeddings:
+            kernel = self.embed.variables["params"]["embedding"].T
+        else:
+            kernel = self.lm_head()
+        return jnp.dot(
+            hidden.astype(self.dtype),
+            kernel,
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(self.dtype),
+        )

@@ -1,0 +1,55 @@
+"""Test helpers: build runners and steps directly, below the LLM API."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
+from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.model.cache import CacheSpec
+
+PAGE_SIZE = 4
+MAX_PAGES = 32
+
+
+def make_runner(cfg, params, *, num_slots=8, dtype=jnp.float32) -> ModelRunner:
+    spec = CacheSpec(num_slots=num_slots, num_pages=num_slots * MAX_PAGES, page_size=PAGE_SIZE)
+    return ModelRunner(cfg, params, spec, dtype=dtype)
+
+
+def builder(runner: ModelRunner) -> StepBuilder:
+    cfg = runner.cfg
+    return StepBuilder(runner.cache_spec, MAX_PAGES, cfg.vocab_size, cfg.chunk_size)
+
+
+def pages_for(slot: int, length: int) -> list[int]:
+    """A fixed page range per slot, enough for `length` tokens."""
+    return [slot * MAX_PAGES + i for i in range(-(-length // PAGE_SIZE))]
+
+
+def row(tokens, prefix_len, slot, **kw) -> RowSpec:
+    return RowSpec(
+        tokens=list(tokens),
+        prefix_len=prefix_len,
+        state_slot=slot,
+        pages=pages_for(slot, prefix_len + len(tokens)),
+        **kw,
+    )
+
+
+def prefill_logits(runner: ModelRunner, rows: list[RowSpec], num_tokens: int | None = None):
+    """Run one prefill step over `rows`; returns per-row logits arrays `[len, V]` (numpy)."""
+    total = sum(len(r.tokens) for r in rows)
+    bucket = Bucket(num_tokens or total, len(rows), 0)
+    inputs = builder(runner).build(rows, bucket)
+    logits = np.asarray(runner.forward_logits(inputs, 0))
+    out, start = [], 0
+    for r in rows:
+        out.append(logits[start : start + len(r.tokens)])
+        start += len(r.tokens)
+    return out
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]

@@ -1,0 +1,79 @@
+"""The host stays out of the forward: no callbacks, no implicit transfers, no recompiles."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend
+import numpy as np
+import pytest
+
+from jaxmamba import ModelConfig
+from jaxmamba.engine.batch import Bucket
+from jaxmamba.model.params import init_params
+from model_helpers import builder, make_runner, row
+
+FORBIDDEN = ("callback", "infeed", "outfeed")
+
+
+def primitive_names(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= primitive_names(sub)
+    return names
+
+
+@pytest.fixture(scope="module")
+def runner():
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    return make_runner(cfg, init_params(cfg, seed=0))
+
+
+def prefill_rows(rng, lengths, vocab, first_slot=0):
+    return [
+        row(rng.integers(0, vocab, n).tolist(), 0, slot=first_slot + i)
+        for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("bucket", [Bucket(64, 4, 0), Bucket(4, 4, 4), Bucket(32, 4, 2)])
+def test_step_jaxpr_has_no_host_callbacks(runner, bucket):
+    rng = np.random.default_rng(0)
+    vocab = runner.cfg.vocab_size
+    rows = [row([int(rng.integers(vocab))], 5, slot=i) for i in range(bucket.num_decode)]
+    rows += prefill_rows(rng, [9, 3], vocab, first_slot=bucket.num_decode)[
+        : bucket.num_rows - bucket.num_decode
+    ]
+    inputs = builder(runner).build(rows, bucket)
+    step = functools.partial(runner._step_fn, num_decode=bucket.num_decode)
+    closed = jax.make_jaxpr(step)(runner.params, runner.cache, inputs)
+    names = primitive_names(closed.jaxpr)
+    assert "scan" in names or bucket.num_decode == bucket.num_rows  # the jaxpr is the real step
+    assert not [n for n in names if any(f in n for f in FORBIDDEN)], names
+
+
+def test_steps_run_under_transfer_guard_without_recompiling(runner):
+    bld = builder(runner)
+    rng = np.random.default_rng(1)
+    vocab = runner.cfg.vocab_size
+    prefill_bucket, decode_bucket = Bucket(64, 4, 0), Bucket(4, 4, 4)
+
+    def run(rows, bucket):
+        with jax.transfer_guard("disallow"):
+            packed = runner.step(bld.build(rows, bucket), bucket.num_decode)
+            return jax.device_get(packed)  # explicit: the one read per step
+
+    run(prefill_rows(rng, [20, 7, 1, 30], vocab), prefill_bucket)
+    run([row([1], 20, slot=0)], decode_bucket)
+    warm = runner.num_compiles
+    # Different compositions inside the same buckets: row counts, lengths, slots, sampling.
+    for lengths in ([1], [63], [16, 16, 16, 16], [5, 40]):
+        run(prefill_rows(rng, lengths, vocab, first_slot=2), prefill_bucket)
+    for n in (1, 3, 4):
+        rows = [row([int(rng.integers(vocab))], 40 + i, slot=i, temperature=0.7, seed=i) for i in range(n)]
+        run(rows, decode_bucket)
+    assert runner.num_compiles == warm
+    assert runner._step._cache_size() == 2
