@@ -58,6 +58,9 @@ def perturb_parameters(model: torch.nn.Module, seed: int) -> None:
         elif "embedding" in name:
             # 2/sqrt(E): a tied head then gives logits of std ~2, peaked but not saturated.
             p.copy_(2.0 * randn(*p.shape) / math.sqrt(p.shape[1]))
+        elif name == "lm_head.weight":
+            # Logits of std ~2 (as for a tied head): greedy picks have clear margins.
+            p.copy_(2.0 * randn(*p.shape) / math.sqrt(p.shape[1]))
         elif p.ndim == 2:
             # Linear [out, in]: unit-variance outputs for unit-variance inputs, halved so the
             # residual stream grows slowly with depth.

@@ -256,3 +256,16 @@ def test_config_and_expected_mismatches_raise(nemotron):
     del expected["norm_f"]
     with pytest.raises(ValueError, match=r"unexpected \['norm_f/scale'\]"):
         load_hf_checkpoint(path, cfg, expected=expected)
+
+
+def test_projection_biases_load_and_absent_conv_bias_is_not_required(tmp_path):
+    path, model = make_nemotron_h_checkpoint(
+        tmp_path / "bias", pattern="M-", use_bias=True, mlp_bias=True, use_conv_bias=False, seed=5
+    )
+    cfg = ModelConfig.from_hf_config(path)
+    assert cfg.mamba_proj_bias and cfg.mlp_bias and not cfg.use_conv_bias
+    params = load_hf_checkpoint(path, cfg, dtype=jnp.float32)
+    mixer = params["layers_0"]["mixer"]
+    assert mixer["in_proj"]["bias"].shape == (cfg.in_proj_dim,) and "bias" not in mixer["conv1d"]
+    assert params["layers_1"]["mixer"]["down_proj"]["bias"].shape == (48,)
+    assert _assert_matches_state_dict(params, model) == set()
