@@ -125,7 +125,7 @@ class Mamba2HybridLM(nn.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """`[..., E]` → float32 logits `[..., V]`."""
         if self.cfg.tie_word_embeddings:
-            kernel = self.embed.variables["params"]["embedding"].T
+            kernel = self.embed.embedding.T
         else:
             kernel = self.lm_head()
         return jnp.dot(
