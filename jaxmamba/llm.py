@@ -1,9 +1,9 @@
 """The user-facing generation API, shaped like vLLM's `LLM`.
 
-    from jaxmamba import LLM, SamplingParams
-    llm = LLM("nemotron-h-tiny", max_num_seqs=8)
-    out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
-    print(out[0].outputs[0].text)
+from jaxmamba import LLM, SamplingParams
+llm = LLM("nemotron-h-tiny", max_num_seqs=8)
+out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+print(out[0].outputs[0].text)
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params, param_shapes
 from jaxmamba.tokenizer import load_tokenizer
 
-DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+DTYPES = {
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+}
 
 
 @dataclass
@@ -75,7 +80,9 @@ class LLM:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_cfg = ModelConfig.load(model)
         self.dtype = DTYPES[dtype]
-        self.engine_cfg = EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens, page_size)
+        self.engine_cfg = EngineConfig(
+            max_num_seqs, max_model_len, max_num_batched_tokens, page_size
+        )
         params = load_params(model, self.model_cfg, self.dtype, seed)
         spec = CacheSpec(
             num_slots=max_num_seqs, num_pages=max_num_seqs * self.engine_cfg.max_pages_per_seq,

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from hf_fixtures import make_mamba2_checkpoint, make_nemotron_h_checkpoint
 from jaxmamba import LLM, ModelConfig, SamplingParams
 from jaxmamba.model.loader import load_hf_checkpoint
+
+from hf_fixtures import make_mamba2_checkpoint, make_nemotron_h_checkpoint
 from model_helpers import make_runner, prefill_logits, random_prompts, row
 
 MODELS = {

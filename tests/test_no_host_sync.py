@@ -12,6 +12,7 @@ import pytest
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.model.params import init_params
+
 from model_helpers import builder, make_runner, row
 
 FORBIDDEN = ("callback", "infeed", "outfeed")
@@ -73,7 +74,10 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
     for lengths in ([1], [63], [16, 16, 16, 16], [5, 40]):
         run(prefill_rows(rng, lengths, vocab, first_slot=2), prefill_bucket)
     for n in (1, 3, 4):
-        rows = [row([int(rng.integers(vocab))], 40 + i, slot=i, temperature=0.7, seed=i) for i in range(n)]
+        rows = [
+            row([int(rng.integers(vocab))], 40 + i, slot=i, temperature=0.7, seed=i)
+            for i in range(n)
+        ]
         run(rows, decode_bucket)
     assert runner.num_compiles == warm
     assert runner._step._cache_size() == 2

@@ -9,6 +9,7 @@ import pytest
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.model.params import init_params
+
 from model_helpers import builder, make_runner, prefill_logits, random_prompts, row
 
 ATOL = 2e-5

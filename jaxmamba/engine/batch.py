@@ -139,9 +139,7 @@ class StepBuilder:
         nd = bucket.num_decode
         if nd:
             if nd == bucket.num_rows and bucket.num_tokens != nd:
-                raise ValueError(
-                    f"a pure decode bucket needs num_tokens == num_rows, got {bucket}"
-                )
+                raise ValueError(f"a pure decode bucket needs num_tokens == num_rows, got {bucket}")
         page_size = self.spec.page_size
         for r, row in enumerate(rows):
             n = len(row.tokens)
@@ -153,14 +151,18 @@ class StepBuilder:
                 raise ValueError(f"decode row {r} must carry exactly 1 token, got {n}")
             bad = [t for t in row.tokens if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"row {r}: token ids {bad[:5]} outside the vocab [0, {self.vocab_size})")
+                raise ValueError(
+                    f"row {r}: token ids {bad[:5]} outside the vocab [0, {self.vocab_size})"
+                )
             need = -(-row.seq_len // page_size)
             if need > self.max_pages_per_seq:
                 raise ValueError(
                     f"row {r}: length {row.seq_len} needs {need} pages, max {self.max_pages_per_seq}"
                 )
             if len(row.pages) < need:
-                raise ValueError(f"row {r}: length {row.seq_len} needs {need} pages, has {len(row.pages)}")
+                raise ValueError(
+                    f"row {r}: length {row.seq_len} needs {need} pages, has {len(row.pages)}"
+                )
             if row.track_slot is not None:
                 lo, hi = row.prefix_len, row.seq_len
                 aligned = row.track_len % self.chunk_size == 0 or row.track_len == hi

@@ -97,9 +97,7 @@ class Engine:
         spec = runner.cache_spec
         self.slots = BlockAllocator(spec.num_slots, "state slot")
         self.pages = BlockAllocator(spec.num_pages, "KV page")
-        self.builder = StepBuilder(
-            spec, config.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size
-        )
+        self.builder = StepBuilder(spec, config.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
         self.row_buckets = pow2_buckets(config.max_num_seqs)
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, start=16)
         self.eos_token_id = cfg.eos_token_id
@@ -171,7 +169,12 @@ class Engine:
                 req.first_token_time = now
             k = req.params.logprobs
             if k is not None:
-                top = {int(t): float(v) for t, v in zip(sampled.top_ids[i, :k], sampled.top_logprobs[i, :k], strict=True)}
+                top = {
+                    int(t): float(v)
+                    for t, v in zip(
+                        sampled.top_ids[i, :k], sampled.top_logprobs[i, :k], strict=True
+                    )
+                }
                 top[token] = float(sampled.logprobs[i])
                 req.output_logprobs.append(top)
             req.finish_reason = self._finish_reason(req, token)

@@ -92,7 +92,9 @@ class GatedGroupRMSNorm(nn.Module):
         )
         y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         grouped = y.reshape(*y.shape[:-1], self.num_groups, width // self.num_groups)
-        grouped = grouped * lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
+        grouped = grouped * lax.rsqrt(
+            jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps
+        )
         return (scale * grouped.reshape(y.shape)).astype(self.dtype)
 
 
@@ -106,6 +108,10 @@ class ReluSquaredMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = Linear(self.intermediate_size, ("embed", "mlp"), self.use_bias, self.dtype, name="up_proj")(x)
+        h = Linear(
+            self.intermediate_size, ("embed", "mlp"), self.use_bias, self.dtype, name="up_proj"
+        )(x)
         h = jnp.square(jax.nn.relu(h.astype(jnp.float32))).astype(self.dtype)
-        return Linear(self.hidden_size, ("mlp", "embed"), self.use_bias, self.dtype, name="down_proj")(h)
+        return Linear(
+            self.hidden_size, ("mlp", "embed"), self.use_bias, self.dtype, name="down_proj"
+        )(h)

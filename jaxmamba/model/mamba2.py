@@ -87,11 +87,15 @@ class Mamba2Mixer(nn.Module):
         )(x)
         z, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
 
-        weight, bias = DepthwiseConvWeights(K, conv_dim, cfg.use_conv_bias, self.dtype, name="conv1d")()
+        weight, bias = DepthwiseConvWeights(
+            K, conv_dim, cfg.use_conv_bias, self.dtype, name="conv1d"
+        )()
         dt_bias = self.param(
             "dt_bias", nn.with_logical_partitioning(_dt_bias_init, ("mamba_heads",)), (H,)
         )
-        a_log = self.param("A_log", nn.with_logical_partitioning(_a_log_init, ("mamba_heads",)), (H,))
+        a_log = self.param(
+            "A_log", nn.with_logical_partitioning(_a_log_init, ("mamba_heads",)), (H,)
+        )
         d_skip = self.param(
             "D", nn.with_logical_partitioning(nn.initializers.ones, ("mamba_heads",)), (H,)
         )
@@ -107,7 +111,13 @@ class Mamba2Mixer(nn.Module):
         if meta.decode is not None:
             dec = meta.decode
             xbc_d, conv_pool = causal_conv1d_update(
-                conv_pool, xbc[:bd], weight, bias, dec.state_slots, activation="silu", impl=self.impl
+                conv_pool,
+                xbc[:bd],
+                weight,
+                bias,
+                dec.state_slots,
+                activation="silu",
+                impl=self.impl,
             )
             x_d, b_d, c_d = split_xbc(xbc_d)
             # HF and the reference kernels clamp dt only in the chunked (prefill) path.
@@ -149,6 +159,10 @@ class Mamba2Mixer(nn.Module):
         y = y.reshape(num_tokens, d_inner)
         y = GatedGroupRMSNorm(G, cfg.norm_eps, self.dtype, name="norm")(y, z)
         out = Linear(
-            cfg.hidden_size, ("mamba_inner", "embed"), cfg.mamba_proj_bias, self.dtype, name="out_proj"
+            cfg.hidden_size,
+            ("mamba_inner", "embed"),
+            cfg.mamba_proj_bias,
+            self.dtype,
+            name="out_proj",
         )(y)
         return out, conv_pool, ssm_pool

@@ -43,7 +43,11 @@ def _init_boxed(cfg: ModelConfig, dtype, seed: int):
     model = Mamba2HybridLM(cfg, jnp.dtype(dtype))
     inputs, cache, meta = _dummy_step(cfg, dtype)
     variables = model.init(
-        jax.random.PRNGKey(seed), inputs.input_ids, cache, meta, method=Mamba2HybridLM.forward_logits
+        jax.random.PRNGKey(seed),
+        inputs.input_ids,
+        cache,
+        meta,
+        method=Mamba2HybridLM.forward_logits,
     )
     return variables["params"]
 

@@ -1,0 +1,82 @@
+"""Command line: `jaxmamba generate` (and, later, `bench` / `serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="nemotron-h-tiny", help="preset name, YAML path or HF dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _llm(args):
+    from jaxmamba import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args) -> int:
+    from jaxmamba import SamplingParams
+
+    llm = _llm(args)
+    prompts = args.prompt or ["The state space model", "Once upon a time", "JAX compiles"]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    for run in ("warm-up (compiles each bucket once)", "steady state"):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        print(
+            f"[{run}] {len(outs)} requests, {prompt_tokens} prompt + {generated} generated "
+            f"tokens in {elapsed:.2f} s: {generated / elapsed:.1f} generated tokens/s "
+            f"({llm.runner.num_compiles} compilations so far)"
+        )
+    for out in outs:
+        print(f"\n>>> {out.prompt!r}\n{out.outputs[0].text!r}  [{out.outputs[0].finish_reason}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxmamba", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions and print tokens/s")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
