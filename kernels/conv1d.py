@@ -9,6 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .conv1d_pallas import (
+    causal_conv1d_update_gpu,
+    causal_conv1d_update_tpu,
+    causal_conv1d_varlen_gpu,
+    causal_conv1d_varlen_tpu,
+)
 from .dispatch import select_impl
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -144,7 +150,13 @@ def causal_conv1d_varlen(
     _check_conv_shapes(x, weight, bias, initial_states, num_seqs)
     if track_ends is not None and track_ends.shape != (num_seqs,):
         raise ValueError(f"expected track_ends [S={num_seqs}], got {track_ends.shape}")
-    fn = select_impl("causal_conv1d_varlen", impl, ref=causal_conv1d_varlen_ref)
+    fn = select_impl(
+        "causal_conv1d_varlen",
+        impl,
+        ref=causal_conv1d_varlen_ref,
+        pallas_tpu=causal_conv1d_varlen_tpu,
+        pallas_gpu=causal_conv1d_varlen_gpu,
+    )
     return fn(
         x,
         weight,
@@ -186,7 +198,10 @@ def causal_conv1d_update(
     activation: str | None = "silu",
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
-    """One decode step: returns ``(y [B, D] x.dtype, new_conv_state [S', K-1, D])``."""
+    """One decode step: returns ``(y [B, D] x.dtype, new_conv_state [S', K-1, D])``.
+
+    The Pallas kernels shift ``conv_state`` in place (aliased); donate it in the jitted caller.
+    """
     if x.ndim != 2 or slots.shape != (x.shape[0],):
         raise ValueError(f"expected x [B, D] and slots [B]; got x {x.shape}, slots {slots.shape}")
     _check_conv_shapes(x, weight, bias, None, 0)
@@ -195,5 +210,11 @@ def causal_conv1d_update(
         raise ValueError(
             f"expected conv_state [S', K-1={k - 1}, D={x.shape[1]}], got {conv_state.shape}"
         )
-    fn = select_impl("causal_conv1d_update", impl, ref=causal_conv1d_update_ref)
+    fn = select_impl(
+        "causal_conv1d_update",
+        impl,
+        ref=causal_conv1d_update_ref,
+        pallas_tpu=causal_conv1d_update_tpu,
+        pallas_gpu=causal_conv1d_update_gpu,
+    )
     return fn(conv_state, x, weight, bias, slots, activation=activation)

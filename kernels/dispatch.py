@@ -2,10 +2,20 @@
 
 Every public op takes ``impl``:
 
-* ``"auto"``: the best available implementation for the backend (today: the reference).
+* ``"auto"``: the current backend's kernel where the op has one (TPU → Mosaic TPU, CUDA →
+  Pallas GPU), else the reference; CPU → the reference.
 * ``"ref"``: the plain-jnp reference (runs everywhere, float32 accumulation).
-* ``"pallas"``: the Pallas kernel compiled for the current backend.
-* ``"interpret"``: the Pallas kernel in interpret mode (CPU-testable).
+* ``"pallas"``: the current backend's kernel; an error on CPU or where the op has none.
+* ``"interpret"``: the Pallas kernel in interpret mode on any backend (the TPU kernel under
+  ``pltpu.InterpretParams()`` where the op has one, else its GPU kernel).
+* ``"pallas_tpu"`` / ``"pallas_gpu"``: that platform's kernel whatever the current backend,
+  for ``jax.export(..., platforms=("tpu",))`` and deviceless AOT compiles, where the target is
+  not the machine that traces. The choice is made at trace time, so it cannot follow the
+  lowering platform (``lax.platform_dependent`` would lower every branch, and a Pallas kernel
+  does not lower for the wrong platform).
+* ``"auto_tpu"`` / ``"auto_gpu"``: ``"auto"`` for a named target platform — the kernel where
+  the op has one for it, else the reference. A whole model mixes ops with and without
+  kernels, so this is what exporting a model step for another platform uses.
 """
 
 from __future__ import annotations
@@ -13,7 +23,25 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-IMPLS = ("auto", "ref", "pallas", "interpret")
+import jax
+
+IMPLS = (
+    "auto",
+    "ref",
+    "pallas",
+    "interpret",
+    "pallas_tpu",
+    "pallas_gpu",
+    "auto_tpu",
+    "auto_gpu",
+)
+PLATFORMS = ("tpu", "gpu")
+
+
+def current_platform() -> str:
+    """``"tpu"``, ``"gpu"`` or ``"cpu"``: the backend jitted code runs on by default."""
+    backend = jax.default_backend()
+    return backend if backend in PLATFORMS else "cpu"
 
 
 def select_impl(
@@ -22,19 +50,45 @@ def select_impl(
     *,
     ref: Callable,
     pallas: Callable | None = None,
+    pallas_tpu: Callable | None = None,
+    pallas_gpu: Callable | None = None,
 ) -> Callable:
     """Return the function that implements ``op`` for ``impl``.
 
-    ``pallas`` (when a kernel exists) must accept an ``interpret: bool`` keyword.
+    Every kernel callable must accept an ``interpret: bool`` keyword. ``pallas_tpu`` and
+    ``pallas_gpu`` are the per-platform kernels; ``pallas`` is one kernel used for both
+    platforms (where the op has no platform-specific one).
     """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
-    if impl in ("auto", "ref"):
-        # "auto" will prefer the Pallas kernel on GPU/TPU once kernels exist and are measured.
+    kernels = {"tpu": pallas_tpu or pallas, "gpu": pallas_gpu or pallas}
+    if impl == "ref":
         return ref
-    if pallas is None:
-        raise NotImplementedError(
-            f"{op}: impl={impl!r} is not available yet; the Pallas kernel lands with the "
-            "kernels issue (use impl='ref')"
+    if impl == "interpret":
+        kernel = pallas_tpu or pallas_gpu or pallas
+        if kernel is None:
+            raise _missing(op, impl)
+        return functools.partial(kernel, interpret=True)
+    mode, _, target = impl.partition("_")
+    platform = target or current_platform()
+    if mode == "auto":
+        kernel = kernels.get(platform)
+        return ref if kernel is None else functools.partial(kernel, interpret=False)
+    if pallas is None and pallas_tpu is None and pallas_gpu is None:
+        raise _missing(op, impl)
+    if platform == "cpu":
+        raise ValueError(
+            f"{op}: impl='pallas' compiles the kernel for the current backend, which is CPU; "
+            "use impl='interpret' to run the kernel on CPU, 'pallas_tpu'/'pallas_gpu' to "
+            "lower for another platform, or 'auto'/'ref'"
         )
-    return functools.partial(pallas, interpret=impl == "interpret")
+    if kernels[platform] is None:
+        raise NotImplementedError(f"{op}: no Pallas kernel for {platform} yet (use impl='ref')")
+    return functools.partial(kernels[platform], interpret=False)
+
+
+def _missing(op: str, impl: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{op}: impl={impl!r} is not available yet; the Pallas kernel lands with the "
+        "kernels issue (use impl='ref')"
+    )

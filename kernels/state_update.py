@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from .dispatch import select_impl
 from .ssd import process_dt
+from .state_update_pallas import selective_state_update_gpu, selective_state_update_tpu
 
 
 def selective_state_update_ref(
@@ -61,7 +62,9 @@ def selective_state_update(
 ) -> tuple[jax.Array, jax.Array]:
     """``h' = exp(dt A) h + dt x ⊗ B``; ``y = h'·C + D x``, gated by ``silu(z)``.
 
-    Returns ``(y [B, H, P] x.dtype, new_state [S', H, P, N] state.dtype)``.
+    Returns ``(y [B, H, P] x.dtype, new_state [S', H, P, N] state.dtype)``. The Pallas
+    kernels update ``state`` in place (aliased); donate it in the jitted caller so XLA does
+    not copy it first.
     """
     if x.ndim != 3 or state.ndim != 4 or state.shape[1:3] != x.shape[1:]:
         raise ValueError(
@@ -90,7 +93,13 @@ def selective_state_update(
     ):
         if arr is not None and arr.shape != shape:
             raise ValueError(f"expected {name} {shape}, got {arr.shape}")
-    fn = select_impl("selective_state_update", impl, ref=selective_state_update_ref)
+    fn = select_impl(
+        "selective_state_update",
+        impl,
+        ref=selective_state_update_ref,
+        pallas_tpu=selective_state_update_tpu,
+        pallas_gpu=selective_state_update_gpu,
+    )
     return fn(
         state,
         x,

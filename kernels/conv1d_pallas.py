@@ -1,0 +1,402 @@
+"""Pallas kernels for the causal depthwise conv1d: varlen prefill and the decode update.
+
+Decode update (``[S', K-1, D]`` pool, in place by slot through ``input_output_aliases``):
+
+* TPU: grid ``(B, D / bd)``, the slot ids scalar-prefetched into SMEM pick the state block
+  in the index map; the shifted window is written row by row.
+* GPU: grid ``(B, D / bd)``, a program loads its K-1 state rows, then stores the shifted
+  rows (all loads before any store: input and output are the same memory).
+
+Varlen prefill (the reference's contract: initial states by sequence, final and tracked
+windows as outputs). Each token's taps before its sequence's first token come from the
+initial state, so the kernels need each token's sequence start (``token_seq_ids``, an O(T)
+XLA op). The final and tracked windows are O(S·K·D) gathers done in XLA beside the kernel.
+
+* GPU: grid ``(T / bt, D / bd)``; a program walks its ``bt`` tokens in order, keeping the
+  K-1 previous rows in registers, so x is read once and y written once; taps before the
+  sequence start read the initial state (masked loads, no traffic when masked off).
+* TPU: grid ``(T / bt, D / bd)`` over 2-D tiles. The tile and the 8 rows before it (a
+  second, 8-row BlockSpec on x) go to a VMEM buffer; tap k is the buffer read at a static
+  row offset, masked where it falls before the token's sequence start. The initial-state
+  terms (non-zero only on the first K-1 tokens of a sequence) are precomputed per sequence
+  (``[S, K-1, D]``, tiny) and added to the rows of the sequences that start in the tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from .state_update_pallas import pow2_divisor, tpu_interpret_params
+
+_F32 = jnp.float32
+
+
+def _silu(y: jax.Array, activation: str | None) -> jax.Array:
+    return y if activation is None else y * jax.nn.sigmoid(y)
+
+
+def _lane_block(dim: int, cap: int) -> int:
+    """TPU channel block: the largest multiple of 128 dividing ``dim`` (at most ``cap``)."""
+    if dim % 128:
+        return dim
+    return max(b for b in range(128, min(dim, cap) + 1, 128) if dim % b == 0)
+
+
+# --------------------------------------------------------------------------- decode update
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvUpdateBlockSizes:
+    tpu_channels: int = 2048
+    gpu_channels: int = 256
+    gpu_num_warps: int = 2
+
+
+def _update_tpu_kernel(
+    k: int, activation, has_bias, slots_ref, state_ref, x_ref, w_ref, *rest
+):  # fmt: skip
+    del slots_ref
+    bias_ref, y_ref, state_out_ref = rest if has_bias else (None, *rest)
+    x = x_ref[...].astype(_F32)  # [1, bd]
+    acc = w_ref[k - 1 : k, :].astype(_F32) * x
+    for tap in range(k - 1):
+        acc = acc + w_ref[tap : tap + 1, :].astype(_F32) * state_ref[tap : tap + 1, :].astype(_F32)
+    for row in range(k - 2):
+        state_out_ref[row : row + 1, :] = state_ref[row + 1 : row + 2, :]
+    state_out_ref[k - 2 : k - 1, :] = x.astype(state_out_ref.dtype)
+    if bias_ref is not None:
+        acc = acc + bias_ref[...].astype(_F32)
+    y_ref[...] = _silu(acc, activation).astype(y_ref.dtype)
+
+
+def causal_conv1d_update_tpu(
+    conv_state: jax.Array,  # [S', K-1, D]
+    x: jax.Array,  # [B, D]
+    weight: jax.Array,  # [K, D]
+    bias: jax.Array | None,  # [D]
+    slots: jax.Array,  # i32[B]
+    *,
+    activation: str | None = "silu",
+    interpret: bool = False,
+    block_sizes: ConvUpdateBlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    rows, dim = x.shape
+    k = weight.shape[0]
+    bd = _lane_block(dim, (block_sizes or ConvUpdateBlockSizes()).tpu_channels)
+    state_spec = pl.BlockSpec((None, k - 1, bd), lambda b, j, s: (s[b], 0, j))
+    row_spec = pl.BlockSpec((None, 1, bd), lambda b, j, s: (b, 0, j))
+    args = [conv_state, x.reshape(rows, 1, dim), weight]
+    specs = [state_spec, row_spec, pl.BlockSpec((k, bd), lambda b, j, s: (0, j))]
+    if bias is not None:
+        args.append(bias.reshape(1, dim))
+        specs.append(pl.BlockSpec((1, bd), lambda b, j, s: (0, j)))
+    y, new_state = pl.pallas_call(
+        functools.partial(_update_tpu_kernel, k, activation, bias is not None),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(rows, dim // bd),
+            in_specs=specs,
+            out_specs=[row_spec, state_spec],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, 1, dim), x.dtype),
+            jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+        ],
+        input_output_aliases={1: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=tpu_interpret_params(interpret),
+        name="causal_conv1d_update",
+    )(slots.astype(jnp.int32), *args)
+    return y.reshape(rows, dim), new_state
+
+
+def _update_gpu_kernel(
+    k: int, bd: int, activation, has_bias, slots_ref, state_ref, x_ref, w_ref, *rest
+):  # fmt: skip
+    bias_ref, y_ref, state_out_ref = rest if has_bias else (None, *rest)
+    row = pl.program_id(0)
+    d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    slot = slots_ref[row]
+    x = x_ref[row, d]
+    window = [state_ref[slot, tap, d] for tap in range(k - 1)] + [x.astype(state_ref.dtype)]
+    acc = jnp.zeros((bd,), _F32)
+    for tap in range(k):
+        acc = acc + w_ref[tap, d].astype(_F32) * window[tap].astype(_F32)
+    for tap in range(k - 1):
+        state_out_ref[slot, tap, d] = window[tap + 1]
+    if bias_ref is not None:
+        acc = acc + bias_ref[d].astype(_F32)
+    y_ref[row, d] = _silu(acc, activation).astype(y_ref.dtype)
+
+
+def causal_conv1d_update_gpu(
+    conv_state: jax.Array,  # [S', K-1, D]
+    x: jax.Array,  # [B, D]
+    weight: jax.Array,  # [K, D]
+    bias: jax.Array | None,  # [D]
+    slots: jax.Array,  # i32[B]
+    *,
+    activation: str | None = "silu",
+    interpret: bool = False,
+    block_sizes: ConvUpdateBlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    bs = block_sizes or ConvUpdateBlockSizes()
+    rows, dim = x.shape
+    k = weight.shape[0]
+    bd = pow2_divisor(dim, bs.gpu_channels)
+    y, new_state = pl.pallas_call(
+        functools.partial(_update_gpu_kernel, k, bd, activation, bias is not None),
+        grid=(rows, dim // bd),
+        out_shape=[
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+        ],
+        input_output_aliases={1: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=bs.gpu_num_warps, num_stages=1),
+        interpret=interpret,
+        name="causal_conv1d_update",
+    )(slots.astype(jnp.int32), conv_state, x, weight, *([] if bias is None else [bias]))
+    return y, new_state
+
+
+# --------------------------------------------------------------------------- varlen prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvVarlenBlockSizes:
+    tpu_tokens: int = 256
+    tpu_channels: int = 512
+    gpu_tokens: int = 64
+    gpu_channels: int = 1024
+    gpu_num_warps: int = 4
+
+
+def _token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(seq i32[T], start i32[T]): each token's sequence and that sequence's first token."""
+    from .conv1d import token_seq_ids  # conv1d imports this module
+
+    seq = token_seq_ids(cu_seqlens, num_tokens)
+    return seq, cu_seqlens[seq]
+
+
+def _windows(x, initial_states, cu_seqlens, ends, width):
+    """[S, width, D]: the ``width`` inputs before relative position ``ends[s]`` (no copy of x)."""
+    num_tokens = x.shape[0]
+    num_seqs = cu_seqlens.shape[0] - 1
+    p = ends[:, None] - width + jnp.arange(width, dtype=jnp.int32)  # [S, width]
+    from_x = x[jnp.clip(cu_seqlens[:-1, None] + p, 0, num_tokens - 1)].astype(_F32)
+    if initial_states is None:
+        from_state = jnp.zeros_like(from_x)
+    else:
+        rows = jnp.clip(width + p, 0, width - 1)  # state row K-1+p for p < 0
+        from_state = jnp.take_along_axis(initial_states.astype(_F32), rows[..., None], axis=1)
+    state_dtype = _F32 if initial_states is None else initial_states.dtype
+    return jnp.where((p >= 0)[..., None], from_x, from_state).astype(state_dtype)
+
+
+def _varlen_outputs(x, y, initial_states, cu_seqlens, track_ends, k):
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    final = _windows(x, initial_states, cu_seqlens, lengths, k - 1)
+    tracked = None
+    if track_ends is not None:
+        tracked = _windows(x, initial_states, cu_seqlens, track_ends, k - 1)
+    return y, final, tracked
+
+
+def _varlen_gpu_kernel(
+    k, bt, bd, activation, has_bias, has_init, num_tokens, seq_ref, start_ref, x_ref, w_ref, *rest
+):  # fmt: skip
+    rest = list(rest)
+    bias_ref = rest.pop(0) if has_bias else None
+    init_ref = rest.pop(0) if has_init else None
+    (y_ref,) = rest
+    t0 = pl.program_id(0) * bt
+    d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    w = [w_ref[tap, d].astype(_F32) for tap in range(k)]
+    b = jnp.zeros((bd,), _F32) if bias_ref is None else bias_ref[d].astype(_F32)
+    # Rows before t0 (clamped at 0: a clamped row is always before its token's sequence start).
+    window = tuple(
+        x_ref[jnp.maximum(t0 - (k - 1) + tap, 0), d].astype(_F32) for tap in range(k - 1)
+    )
+
+    def body(i, window):
+        t = t0 + i
+        start = start_ref[t]
+        xt = x_ref[t, d].astype(_F32)
+        acc = b + w[k - 1] * xt
+        for tap in range(k - 1):
+            src = t - (k - 1) + tap
+            in_seq = src >= start
+            if init_ref is None:
+                prev = jnp.where(in_seq, window[tap], 0.0)
+            else:
+                row = jnp.clip(k - 1 + src - start, 0, k - 2)
+                mask = jnp.broadcast_to(jnp.logical_not(in_seq), (bd,))
+                init = pltriton.load(init_ref.at[seq_ref[t], row, d], mask=mask, other=0.0)
+                prev = jnp.where(in_seq, window[tap], init.astype(_F32))
+            acc = acc + w[tap] * prev
+        y_ref[t, d] = _silu(acc, activation).astype(y_ref.dtype)
+        return (*window[1:], xt)
+
+    jax.lax.fori_loop(0, jnp.minimum(bt, num_tokens - t0), body, window)
+
+
+def causal_conv1d_varlen_gpu(
+    x: jax.Array,  # [T, D]
+    weight: jax.Array,  # [K, D]
+    bias: jax.Array | None,  # [D]
+    cu_seqlens: jax.Array,  # i32[S+1]
+    *,
+    initial_states: jax.Array | None = None,  # [S, K-1, D]
+    track_ends: jax.Array | None = None,  # i32[S]
+    activation: str | None = "silu",
+    interpret: bool = False,
+    block_sizes: ConvVarlenBlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    bs = block_sizes or ConvVarlenBlockSizes()
+    num_tokens, dim = x.shape
+    k = weight.shape[0]
+    bt, bd = bs.gpu_tokens, pow2_divisor(dim, bs.gpu_channels)
+    seq, start = _token_starts(cu_seqlens, num_tokens)
+    optional = [a for a in (bias, initial_states) if a is not None]
+    kernel = functools.partial(
+        _varlen_gpu_kernel, k, bt, bd, activation, bias is not None,
+        initial_states is not None, num_tokens,
+    )  # fmt: skip
+    y = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_tokens, bt), dim // bd),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=bs.gpu_num_warps, num_stages=1),
+        interpret=interpret,
+        name="causal_conv1d_varlen",
+    )(seq, start, x, weight, *optional)
+    return _varlen_outputs(x, y, initial_states, cu_seqlens, track_ends, k)
+
+
+_HALO = 8  # rows of x before a tile that the TPU kernel reads (>= K-1, one sublane tile)
+
+
+def _varlen_tpu_kernel(
+    k, bt, activation, has_bias, has_init,
+    cu_ref, lo_ref, hi_ref, x_ref, halo_ref, start_ref, w_ref, *rest,
+):  # fmt: skip
+    rest = list(rest)
+    bias_ref = rest.pop(0) if has_bias else None
+    corr_ref = rest.pop(0) if has_init else None
+    y_ref, buf_ref, acc_ref = rest
+    i = pl.program_id(0)
+    t0 = i * bt
+    buf_ref[:_HALO, :] = halo_ref[...].astype(_F32)
+    buf_ref[_HALO:, :] = x_ref[...].astype(_F32)
+    t = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
+    start = start_ref[...]  # [bt, 1]
+    acc = jnp.zeros(acc_ref.shape, _F32)
+    for tap in range(k):
+        shift = k - 1 - tap
+        tap_rows = buf_ref[_HALO - shift : _HALO - shift + bt, :]
+        if shift:
+            tap_rows = jnp.where(t - shift >= start, tap_rows, 0.0)
+        acc = acc + w_ref[tap : tap + 1, :].astype(_F32) * tap_rows
+    acc_ref[...] = acc
+
+    if corr_ref is not None:
+        row_ids = jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
+
+        def add_initial_terms(s, carry):
+            seq_start, seq_end = cu_ref[s], cu_ref[s + 1]
+            for j in range(k - 1):
+                r = seq_start + j - t0
+                hit = (row_ids == r) & (seq_start + j < seq_end)
+                acc_ref[...] += jnp.where(hit, corr_ref[s, j : j + 1, :], 0.0)
+            return carry
+
+        jax.lax.fori_loop(lo_ref[i], hi_ref[i], add_initial_terms, 0)
+
+    out = acc_ref[...]
+    if bias_ref is not None:
+        out = out + bias_ref[...].astype(_F32)
+    y_ref[...] = _silu(out, activation).astype(y_ref.dtype)
+
+
+def causal_conv1d_varlen_tpu(
+    x: jax.Array,  # [T, D]
+    weight: jax.Array,  # [K, D]
+    bias: jax.Array | None,  # [D]
+    cu_seqlens: jax.Array,  # i32[S+1]
+    *,
+    initial_states: jax.Array | None = None,  # [S, K-1, D]
+    track_ends: jax.Array | None = None,  # i32[S]
+    activation: str | None = "silu",
+    interpret: bool = False,
+    block_sizes: ConvVarlenBlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    bs = block_sizes or ConvVarlenBlockSizes()
+    num_tokens, dim = x.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    k = weight.shape[0]
+    if k - 1 > _HALO:
+        raise ValueError(f"the TPU conv kernel supports K <= {_HALO + 1}, got K={k}")
+    bt = min(bs.tpu_tokens, -(-num_tokens // _HALO) * _HALO)
+    bd = _lane_block(dim, bs.tpu_channels)
+    padded = -(-num_tokens // bt) * bt
+    seq, start = _token_starts(cu_seqlens, num_tokens)
+    xp = x
+    if padded != num_tokens:  # only for token counts that are not a tile multiple
+        xp = jnp.pad(x, ((0, padded - num_tokens), (0, 0)))
+        start = jnp.pad(start, (0, padded - num_tokens), mode="edge")
+    num_blocks = padded // bt
+    # Sequences whose first K-1 tokens meet tile i: cu[s] in [t0 - (K-2), t0 + bt).
+    t0 = jnp.arange(num_blocks, dtype=jnp.int32) * bt
+    seq_starts = cu_seqlens[:-1]
+    lo = jnp.searchsorted(seq_starts, t0 - (k - 2), side="left", method="compare_all")
+    hi = jnp.searchsorted(seq_starts, t0 + bt, side="left", method="compare_all")
+
+    tile = pl.BlockSpec((bt, bd), lambda i, j, *_: (i, j))
+    halo_blocks = bt // _HALO
+    halo = pl.BlockSpec((_HALO, bd), lambda i, j, *_: (jnp.maximum(i * halo_blocks - 1, 0), j))
+    args = [xp, xp, start.reshape(padded, 1), weight]
+    specs = [
+        tile,
+        halo,
+        pl.BlockSpec((bt, 1), lambda i, j, *_: (i, 0)),
+        pl.BlockSpec((k, bd), lambda i, j, *_: (0, j)),
+    ]
+    if bias is not None:
+        args.append(bias.reshape(1, dim))
+        specs.append(pl.BlockSpec((1, bd), lambda i, j, *_: (0, j)))
+    if initial_states is not None:
+        # corr[s, j] = sum over taps that reach before the sequence start of token j.
+        w = weight.astype(_F32)
+        init = initial_states.astype(_F32)
+        corr = jnp.zeros((num_seqs, k - 1, dim), _F32)
+        for j in range(k - 1):
+            for tap in range(k - 1 - j):
+                corr = corr.at[:, j].add(w[tap] * init[:, j + tap])
+        args.append(corr)
+        specs.append(pl.BlockSpec((num_seqs, k - 1, bd), lambda i, j, *_: (0, 0, j)))
+
+    y = pl.pallas_call(
+        functools.partial(
+            _varlen_tpu_kernel, k, bt, activation, bias is not None, initial_states is not None
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(num_blocks, dim // bd),
+            in_specs=specs,
+            out_specs=tile,
+            scratch_shapes=[pltpu.VMEM((_HALO + bt, bd), _F32), pltpu.VMEM((bt, bd), _F32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((padded, dim), x.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=tpu_interpret_params(interpret),
+        name="causal_conv1d_varlen",
+    )(cu_seqlens.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), *args)
+    return _varlen_outputs(x, y[:num_tokens], initial_states, cu_seqlens, track_ends, k)
