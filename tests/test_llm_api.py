@@ -102,8 +102,13 @@ def test_bad_input_raises_value_error_and_llm_stays_usable(llm, kwargs, message)
     assert llm.engine.pages.num_free == llm.engine.pages.capacity
 
 
-@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0),
-                                          ("temperature", -1.0), ("top_k", -1), ("logprobs", 21)])  # fmt: skip
+BAD_SAMPLING = [
+    ("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("temperature", -1.0), ("top_k", -1),
+    ("logprobs", 21),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("field, value", BAD_SAMPLING)
 def test_bad_sampling_params_raise(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

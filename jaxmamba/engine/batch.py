@@ -157,7 +157,8 @@ class StepBuilder:
             need = -(-row.seq_len // page_size)
             if need > self.max_pages_per_seq:
                 raise ValueError(
-                    f"row {r}: length {row.seq_len} needs {need} pages, max {self.max_pages_per_seq}"
+                    f"row {r}: length {row.seq_len} needs {need} pages, "
+                    f"more than max_pages_per_seq={self.max_pages_per_seq}"
                 )
             if len(row.pages) < need:
                 raise ValueError(
@@ -168,8 +169,8 @@ class StepBuilder:
                 aligned = row.track_len % self.chunk_size == 0 or row.track_len == hi
                 if not (lo < row.track_len <= hi and aligned):
                     raise ValueError(
-                        f"row {r}: track_len {row.track_len} must be in ({lo}, {hi}] and a multiple "
-                        f"of chunk_size {self.chunk_size} (or the row's end)"
+                        f"row {r}: track_len {row.track_len} must be in ({lo}, {hi}] and a "
+                        f"multiple of chunk_size {self.chunk_size} (or the row's end)"
                     )
                 if r < nd and row.track_len != hi:
                     raise ValueError(f"decode row {r}: track_len must equal its length {hi}")

@@ -98,7 +98,7 @@ class Mamba2HybridLM(nn.Module):
         cache: StateCache,
         meta: ForwardMetadata,
     ) -> tuple[jax.Array, StateCache]:
-        """Run every layer over the step's tokens; returns final-normed hidden `[T, E]` and the cache."""
+        """Run every layer over the step's tokens; returns normed hidden `[T, E]` and the cache."""
         cfg = self.cfg
         x = self.embed(input_ids).astype(jnp.float32)
         conv, ssm = list(cache.conv), list(cache.ssm)
