@@ -189,7 +189,6 @@ def _token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, ja
 def _windows(x, initial_states, cu_seqlens, ends, width):
     """[S, width, D]: the ``width`` inputs before relative position ``ends[s]`` (no copy of x)."""
     num_tokens = x.shape[0]
-    num_seqs = cu_seqlens.shape[0] - 1
     p = ends[:, None] - width + jnp.arange(width, dtype=jnp.int32)  # [S, width]
     from_x = x[jnp.clip(cu_seqlens[:-1, None] + p, 0, num_tokens - 1)].astype(_F32)
     if initial_states is None:

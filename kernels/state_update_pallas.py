@@ -6,9 +6,10 @@ donates it lets XLA skip the copy. Pad rows point at the pad slot; several of th
 on it, which is harmless because nothing reads it.
 
 * TPU: grid ``(B, H / hb)``; the slot ids are scalar-prefetched into SMEM and pick the state
-  block ``[hb, P, N]`` in the index map, so Mosaic's pipeline DMAs row ``b+1``'s state while
-  row ``b`` computes. ``hb`` heads share one B/C group. Per-head scalars (dt, A, D) and the
-  head vectors (x, z, y) carry trailing unit dims so every in-kernel op is a broadcast.
+  block ``[hb, P, N]`` in the index map, so Mosaic's pipeline DMAs the next block's state
+  while this one computes. ``hb`` heads share one B/C group. x, z, y, B, C move as whole
+  rows (``[H, P]``, ``[G, N]``: no padding of small dims in HBM); the per-head scalars
+  (processed dt, exp(dt A), D) are read from SMEM.
 * GPU: grid ``(B, H, P / bp)``, one ``[bp, N]`` state tile a program; Triton needs
   power-of-two tiles, so ``bp`` is the largest power of two dividing P (16 for P = 80) and N
   is walked in power-of-two tiles when it is not one.
@@ -92,25 +93,77 @@ class TpuBlockSizes:
         return max(fits, default=1)
 
 
-def _tpu_kernel(opts: _Options, slots_ref, state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref, *rest):
-    del slots_ref  # used by the index maps only
-    d_ref, z_ref, bias_ref, (y_ref, state_out_ref) = _optional(opts, rest)
-    dt = dt_ref[...].astype(_F32)  # [hb, 1, 1]
-    dt = _process_dt(
-        dt, None if bias_ref is None else bias_ref[...], opts.dt_softplus, opts.dt_limit
+def _column(row: jax.Array) -> jax.Array:
+    """[1, P] -> [P, 1] on the VPU (an identity mask and a lane sum; exact)."""
+    n = row.shape[1]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(
+        jnp.int32, (n, n), 1
     )
-    decay = jnp.exp(dt * a_ref[...])  # [hb, 1, 1]
-    x = x_ref[...].astype(_F32)  # [hb, P, 1]
-    h = state_ref[...].astype(_F32)  # [hb, P, N]
-    h = decay * h + (dt * x) * b_ref[...].astype(_F32)  # B: [1, N]
-    state_out_ref[...] = h.astype(state_out_ref.dtype)
-    y = jnp.sum(h * c_ref[...].astype(_F32), axis=-1, keepdims=True)  # [hb, P, 1]
-    if d_ref is not None:
-        y = y + d_ref[...] * x
-    if z_ref is not None:
-        z = z_ref[...].astype(_F32)
-        y = y * (z * jax.nn.sigmoid(z))
-    y_ref[...] = y.astype(y_ref.dtype)
+    return jnp.sum(jnp.where(eye, row, 0.0), axis=1, keepdims=True)
+
+
+def _row(col: jax.Array) -> jax.Array:
+    """[P, 1] -> [1, P], as :func:`_column`."""
+    n = col.shape[0]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(
+        jnp.int32, (n, n), 1
+    )
+    return jnp.sum(jnp.where(eye, col, 0.0), axis=0, keepdims=True)
+
+
+def _pick_row(a: jax.Array, i) -> jax.Array:
+    """``a[i:i+1]`` for a dynamic ``i``, as a masked sublane sum."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
+    return jnp.sum(jnp.where(rows == i, a, 0.0), axis=0, keepdims=True)
+
+
+def _tpu_kernel(
+    opts: _Options,
+    hb: int,
+    heads_per_group: int,
+    slots_ref,
+    state_ref,  # [hb, P, N] this row's slot, heads [j*hb, (j+1)*hb)
+    x_ref,  # [H, P] the whole row (fetched once per row)
+    dt_ref,  # SMEM [1, H] processed dt
+    decay_ref,  # SMEM [1, H] exp(dt A)
+    b_ref,  # [G, N]
+    c_ref,  # [G, N]
+    *rest,
+):
+    del slots_ref  # used by the index maps only
+    rest = list(rest)
+    d_ref = rest.pop(0) if opts.has_d else None  # SMEM [H]
+    z_ref = rest.pop(0) if opts.has_z else None  # [H, P]
+    y_ref, state_out_ref, y_acc = rest
+    blk = pl.program_id(1)
+    group = jax.lax.div(blk * hb, heads_per_group)
+    bv = _pick_row(b_ref[...].astype(_F32), group)  # [1, N]
+    cv = _pick_row(c_ref[...].astype(_F32), group)
+    xs = x_ref[...].astype(_F32)  # [H, P]
+    zs = None if z_ref is None else z_ref[...].astype(_F32)
+    y_all = y_acc[...]
+    row_ids = jax.lax.broadcasted_iota(jnp.int32, y_all.shape, 0)
+    # x varies along P, which is the state's sublane axis but the lane axis of x: each head
+    # works on 2-D [P, N] tiles and moves P-vectors between the two axes on the VPU. Rows
+    # are picked with masks, not dynamic sublane slices (Mosaic cannot slice packed bf16).
+    for j in range(hb):
+        head = blk * hb + j
+        x = _pick_row(xs, head)  # [1, P]
+        dt = dt_ref[0, head]
+        h = decay_ref[0, head] * state_ref[j].astype(_F32) + (dt * _column(x)) * bv  # [P, N]
+        state_out_ref[j] = h.astype(state_out_ref.dtype)
+        y = _row(jnp.sum(h * cv, axis=1, keepdims=True))  # [1, P]
+        if d_ref is not None:
+            y = y + d_ref[head] * x
+        if zs is not None:
+            z = _pick_row(zs, head)
+            y = y * (z * jax.nn.sigmoid(z))
+        y_all = jnp.where(row_ids == head, y, y_all)
+    y_acc[...] = y_all
+
+    @pl.when(blk == pl.num_programs(1) - 1)
+    def _():
+        y_ref[...] = y_acc[...].astype(y_ref.dtype)
 
 
 def selective_state_update_tpu(
@@ -134,55 +187,49 @@ def selective_state_update_tpu(
     num_groups, state_size = B.shape[1:]
     r = num_heads // num_groups
     hb = (block_sizes or TpuBlockSizes()).heads(r, head_dim, state_size)
-    opts = _Options(D is not None, z is not None, dt_bias is not None, dt_softplus, dt_limit)
-
-    def head_scalar(a):  # [H] -> [H, 1, 1] f32
-        return a.astype(_F32).reshape(num_heads, 1, 1)
-
-    row_scalar = pl.BlockSpec((None, hb, 1, 1), lambda b, j, s: (b, j, 0, 0))
-    head_spec = pl.BlockSpec((hb, 1, 1), lambda b, j, s: (j, 0, 0))
-    vec_spec = pl.BlockSpec((None, hb, head_dim, 1), lambda b, j, s: (b, j, 0, 0))
-    group_spec = pl.BlockSpec(
-        (None, None, 1, state_size), lambda b, j, s: (b, jax.lax.div(j, r // hb), 0, 0)
+    opts = _Options(D is not None, z is not None, False, dt_softplus, dt_limit)
+    # Per-(row, head) scalars are a [B, H] elementwise op: XLA fuses it; the kernel reads
+    # them from SMEM.
+    dt = _process_dt(
+        dt.astype(_F32), None if dt_bias is None else dt_bias.astype(_F32), dt_softplus, dt_limit
     )
+    decay = jnp.exp(dt * A.astype(_F32))
+
+    smem_row = pl.BlockSpec(
+        (None, 1, num_heads), lambda b, j, s: (b, 0, 0), memory_space=pltpu.SMEM
+    )
+    row_spec = pl.BlockSpec((None, num_heads, head_dim), lambda b, j, s: (b, 0, 0))
+    group_spec = pl.BlockSpec((None, num_groups, state_size), lambda b, j, s: (b, 0, 0))
     state_spec = pl.BlockSpec((None, hb, head_dim, state_size), lambda b, j, s: (s[b], j, 0, 0))
-    args = [
-        state,
-        x.reshape(rows, num_heads, head_dim, 1),
-        dt.reshape(rows, num_heads, 1, 1),
-        head_scalar(A),
-        B.reshape(rows, num_groups, 1, state_size),
-        C.reshape(rows, num_groups, 1, state_size),
-    ]
-    specs = [state_spec, vec_spec, row_scalar, head_spec, group_spec, group_spec]
+    args = [state, x, dt.reshape(rows, 1, num_heads), decay.reshape(rows, 1, num_heads), B, C]
+    specs = [state_spec, row_spec, smem_row, smem_row, group_spec, group_spec]
     if D is not None:
-        args.append(head_scalar(D))
-        specs.append(head_spec)
+        args.append(D.astype(_F32))
+        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     if z is not None:
-        args.append(z.reshape(rows, num_heads, head_dim, 1))
-        specs.append(vec_spec)
-    if dt_bias is not None:
-        args.append(head_scalar(dt_bias))
-        specs.append(head_spec)
+        args.append(z)
+        specs.append(row_spec)
 
     y, new_state = pl.pallas_call(
-        functools.partial(_tpu_kernel, opts),
+        functools.partial(_tpu_kernel, opts, hb, r),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(rows, num_heads // hb),
             in_specs=specs,
-            out_specs=[vec_spec, state_spec],
+            out_specs=[row_spec, state_spec],
+            scratch_shapes=[pltpu.VMEM((num_heads, head_dim), _F32)],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((rows, num_heads, head_dim, 1), x.dtype),
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
         input_output_aliases={1: 1},  # operand 0 is the prefetched slots
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        # y's block is the whole row, revisited along the head axis: that axis is sequential.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=tpu_interpret_params(interpret),
         name="selective_state_update",
     )(slots.astype(jnp.int32), *args)
-    return y.reshape(rows, num_heads, head_dim), new_state
+    return y, new_state
 
 
 # --------------------------------------------------------------------------- GPU (Triton)

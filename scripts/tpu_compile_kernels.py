@@ -1,0 +1,78 @@
+"""Compile the Mosaic TPU kernels with the real TPU compiler (libtpu), without a TPU.
+
+Run with a python that has ``jax[tpu]`` (``scripts/setup_tpu_venv.sh``) and the repo root on
+``PYTHONPATH``; it imports ``kernels`` as a top-level package, so jaxmamba need not be
+installed there. Prints one ``OK <case>`` line per kernel and exits non-zero on the first
+failure. Shapes: Nemotron-Nano-9B-v2's Mamba layer (H 128, P 80, G 8, N 128, conv_dim 12288,
+K 4), bf16 activations, fp32 SSM state, bf16 conv state.
+
+    PYTHONPATH=. python scripts/tpu_compile_kernels.py [--topology v6e:2x2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update
+
+H, P, G, N, DIM, K = 128, 80, 8, 128, 12288, 4
+ACT, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+
+
+def cases(slots: int, rows: int, tokens: int, seqs: int):
+    """(name, fn, donate_argnums, arg shapes/dtypes) for every TPU kernel of this file's ops."""
+    ssu = functools.partial(selective_state_update, dt_softplus=True, impl="pallas_tpu")
+    yield (
+        "selective_state_update",
+        lambda st, x, dt, a, b, c, s, d, z, bias: ssu(
+            st, x, dt, a, b, c, s, D=d, z=z, dt_bias=bias
+        ),
+        (0,),
+        [((slots, H, P, N), F32), ((rows, H, P), ACT), ((rows, H), ACT), ((H,), F32)]
+        + [((rows, G, N), ACT)] * 2
+        + [((rows,), I32), ((H,), F32), ((rows, H, P), ACT), ((H,), F32)],
+    )
+    yield (
+        "causal_conv1d_update",
+        lambda st, x, w, b, s: causal_conv1d_update(st, x, w, b, s, impl="pallas_tpu"),
+        (0,),
+        [((slots, K - 1, DIM), ACT), ((rows, DIM), ACT), ((K, DIM), ACT), ((DIM,), ACT)]
+        + [((rows,), I32)],
+    )
+    yield (
+        "causal_conv1d_varlen",
+        lambda x, w, b, cu, init, te: causal_conv1d_varlen(
+            x, w, b, cu, initial_states=init, track_ends=te, impl="pallas_tpu"
+        ),
+        (),
+        [((tokens, DIM), ACT), ((K, DIM), ACT), ((DIM,), ACT), ((seqs + 1,), I32)]
+        + [((seqs, K - 1, DIM), ACT), ((seqs,), I32)],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--topology", default="v6e:2x2")
+    args = parser.parse_args()
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
+    device = topo.devices[0]
+    sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
+    print(f"topology {args.topology}: {len(topo.devices)} x {device.device_kind}")
+    for name, fn, donate, shapes in cases(slots=257, rows=256, tokens=2048, seqs=8):
+        specs = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*specs).compile()
+        text = compiled.as_text() or ""
+        assert "custom-call" in text or "tpu_custom_call" in text, f"{name}: no Mosaic kernel"
+        mem = compiled.memory_analysis()
+        extra = f" temp {mem.temp_size_in_bytes >> 20} MiB" if mem is not None else ""
+        print(f"OK {name}{extra}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
