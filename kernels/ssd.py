@@ -122,6 +122,7 @@ def ssd_varlen_ref(
     start_positions: jax.Array | None = None,  # i32[S]
     layout: ChunkLayout | None = None,
     return_chunk_states: bool = False,
+    state_chunks: jax.Array | None = None,  # i32[K]
 ):
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
@@ -207,7 +208,21 @@ def ssd_varlen_ref(
     ).astype(state_dtype)
     if return_chunk_states:
         return y, final_states, chunk_states.astype(state_dtype)
+    if state_chunks is not None:
+        return y, final_states, chunk_states[state_chunks].astype(state_dtype)
     return y, final_states
+
+
+def _ssd_varlen_tpu(*args, **kwargs):
+    from .ssd_pallas_tpu import ssd_varlen_tpu  # lazy: the kernel modules import this one
+
+    return ssd_varlen_tpu(*args, **kwargs)
+
+
+def _ssd_varlen_gpu(*args, **kwargs):
+    from .ssd_pallas_gpu import ssd_varlen_gpu
+
+    return ssd_varlen_gpu(*args, **kwargs)
 
 
 def ssd_varlen(
@@ -228,6 +243,7 @@ def ssd_varlen(
     start_positions: jax.Array | None = None,  # i32[S] or None (zeros)
     layout: ChunkLayout | None = None,  # from build_chunk_layout(..., chunk_size, start_positions)
     return_chunk_states: bool = False,
+    state_chunks: jax.Array | None = None,  # i32[K] chunks of `layout` whose end state is wanted
     impl: str = "auto",
 ):
     """Chunked SSD scan over packed sequences.
@@ -235,8 +251,13 @@ def ssd_varlen(
     Returns ``(y [T, H, P] x.dtype, final_states [S, H, P, N])`` and, with
     ``return_chunk_states``, ``chunk_states [NC, H, P, N]``: the state after the last token of
     each chunk of ``layout`` (or ``build_chunk_layout(cu_seqlens, T, chunk_size,
-    start_positions)``; unused chunks hold arbitrary values). States have the dtype of
-    ``initial_states`` (float32 without); an empty sequence's final state is its initial state.
+    start_positions)``; unused chunks hold arbitrary values), or with ``state_chunks`` only the
+    states after those chunks, ``[K, H, P, N]`` (what checkpointing needs; the kernels then
+    write K states instead of NC). States have the dtype of ``initial_states`` (float32
+    without); an empty sequence's final state is its initial state.
+
+    ``impl`` (see ``dispatch``): the kernels are ``ssd_pallas_tpu`` (Mosaic TPU; also what
+    "interpret" runs, under ``pltpu.InterpretParams()``) and ``ssd_pallas_gpu`` (Triton).
     """
     num_tokens, num_heads, head_dim = x.shape if x.ndim == 3 else (None,) * 3
     if x.ndim != 3 or dt.shape != (num_tokens, num_heads) or A.shape != (num_heads,):
@@ -267,7 +288,17 @@ def ssd_varlen(
         raise ValueError(
             f"layout was built for chunk size {layout.token_index.shape[1]}, got {chunk_size}"
         )
-    fn = select_impl("ssd_varlen", impl, ref=ssd_varlen_ref)
+    if return_chunk_states and state_chunks is not None:
+        raise ValueError("pass either return_chunk_states=True or state_chunks, not both")
+    if state_chunks is not None and state_chunks.ndim != 1:
+        raise ValueError(f"expected state_chunks i32[K], got shape {state_chunks.shape}")
+    fn = select_impl(
+        "ssd_varlen",
+        impl,
+        ref=ssd_varlen_ref,
+        pallas_tpu=_ssd_varlen_tpu,
+        pallas_gpu=_ssd_varlen_gpu,
+    )
     return fn(
         x,
         dt,
@@ -285,4 +316,5 @@ def ssd_varlen(
         start_positions=start_positions,
         layout=layout,
         return_chunk_states=return_chunk_states,
+        state_chunks=state_chunks,
     )

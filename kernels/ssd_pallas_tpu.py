@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -87,7 +88,7 @@ def _kernel(
     yt = yt + d_ref[h] * xt.astype(jnp.float32)
     if zt_ref is not None:
         zt = zt_ref[...].astype(jnp.float32)
-        yt = yt * zt * jax.nn.sigmoid(zt)
+        yt = yt * zt / (1.0 + jnp.exp(-zt))  # silu(z)
     yt_ref[...] = yt.astype(yt_ref.dtype)
 
 
@@ -122,8 +123,13 @@ def ssd_varlen_tpu(
     state_chunks: jax.Array | None = None,  # i32[K]
     interpret=False,
 ):
-    """Same contract as :func:`jaxmamba.kernels.ssd.ssd_varlen`; ``interpret`` may be a bool or
-    ``pltpu.InterpretParams``."""
+    """Same contract as :func:`jaxmamba.kernels.ssd.ssd_varlen`.
+
+    ``interpret=True`` means TPU interpret mode (``pltpu.InterpretParams()``) where this jax
+    has it; ``pltpu.InterpretParams(...)`` may also be passed directly.
+    """
+    if interpret is True:
+        interpret = interpret_params()
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -162,7 +168,7 @@ def ssd_varlen_tpu(
         return (h, c, 0, 0)
 
     def group_block(h, c, *_):
-        return (h // heads_per_group, c, 0, 0)
+        return (lax.div(h, heads_per_group), c, 0, 0)  # h >= 0: no floor fix-up
 
     def seq_block(h, c, seq, *_):
         return (seq[c], h, 0, 0)

@@ -141,17 +141,16 @@ class Mamba2Mixer(nn.Module):
             )  # fmt: skip
             x_p, b_p, c_p = split_xbc(xbc_p)
             init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[pre.init_slots], 0)
-            y_p, ssm_final, chunk_states = ssd_varlen(
+            y_p, ssm_final, ssm_tracked = ssd_varlen(
                 x_p, dt[bd:], A, b_p, c_p, pre.cu_seqlens,
                 chunk_size=cfg.chunk_size, D=d_skip, dt_bias=dt_bias, dt_softplus=True,
                 dt_limit=tuple(cfg.time_step_limit), initial_states=init_ssm.astype(jnp.float32),
                 start_positions=pre.start_positions, layout=pre.layout,
-                return_chunk_states=True, impl=self.impl,
+                state_chunks=pre.track_chunks, impl=self.impl,
             )  # fmt: skip
             conv_pool = conv_pool.at[pre.state_slots].set(conv_final.astype(conv_pool.dtype))
             conv_pool = conv_pool.at[pre.track_slots].set(conv_tracked.astype(conv_pool.dtype))
             ssm_pool = ssm_pool.at[pre.state_slots].set(ssm_final.astype(ssm_pool.dtype))
-            ssm_tracked = chunk_states[pre.track_chunks]
             ssm_pool = ssm_pool.at[pre.track_slots].set(ssm_tracked.astype(ssm_pool.dtype))
             outputs.append(y_p)
 

@@ -1,0 +1,164 @@
+"""The Pallas SSD kernels (TPU kernel in TPU interpret mode, GPU kernel in interpret mode) against
+a float64 numpy recurrence and against ssd_varlen_ref; export for TPU and CUDA on CPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from test_kernels_ssd import LENGTHS, PAD, _cu, _f64, _inputs, _recurrence
+
+from jaxmamba.kernels import build_chunk_layout, ssd_varlen, ssd_varlen_ref
+from jaxmamba.kernels.ssd_pallas_gpu import BlockSizes, ssd_varlen_gpu
+from jaxmamba.kernels.ssd_pallas_tpu import ssd_varlen_tpu
+
+CHUNK = 8
+# bf16 kernels feed the matmuls bf16 operands (the carried state too, for the inter-chunk
+# term), as the Triton SSD kernels do; float32 runs at full precision.
+Y_TOL = {jnp.float32: 2e-4, jnp.bfloat16: 3e-2}
+STATE_TOL = {jnp.float32: 2e-4, jnp.bfloat16: 2e-2}
+
+REF = jax.jit(ssd_varlen_ref, static_argnames=("chunk_size", "return_chunk_states"))
+SSD = jax.jit(ssd_varlen, static_argnames=("chunk_size", "return_chunk_states", "impl"))
+KERNELS = {
+    "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
+    "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
+    "gpu_pblocks": functools.partial(
+        ssd_varlen_gpu, interpret=True, block_sizes=BlockSizes(block_p=4)
+    ),
+}
+
+
+def _call(kernel, inp, cu, *, chunk_size=CHUNK, init=None, starts=None, **kwargs):
+    return KERNELS[kernel](
+        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], jnp.asarray(cu),
+        chunk_size=chunk_size, D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"],
+        initial_states=init, start_positions=None if starts is None else jnp.asarray(starts),
+        **kwargs,
+    )  # fmt: skip
+
+
+def _check_against_recurrence(out, inp, cu, init, starts, dtype, chunk_size=CHUNK):
+    y, final, chunk_states = out
+    y_ref, states = _recurrence(inp, cu, init)
+    real = cu[-1]
+    assert y.dtype == dtype and final.dtype == jnp.float32
+    tol, stol = Y_TOL[dtype], STATE_TOL[dtype]
+    np.testing.assert_allclose(_f64(y)[:real], y_ref[:real], rtol=tol, atol=tol)
+    final_ref = np.stack([st[-1] for st in states])
+    np.testing.assert_allclose(_f64(final), final_ref, rtol=stol, atol=stol)
+    layout = build_chunk_layout(
+        jnp.asarray(cu), int(cu[-1]) + PAD, chunk_size, None if starts is None else starts
+    )
+    seqs, ends = np.asarray(layout.chunk_seq), np.asarray(layout.chunk_end)
+    for c, (s, e) in enumerate(zip(seqs, ends, strict=True)):
+        if s < len(cu) - 1:
+            np.testing.assert_allclose(_f64(chunk_states[c]), states[s][e], rtol=stol, atol=stol)
+
+
+CASES = {
+    # name: dtype, heads, head_dim, groups, state, with_initial, unaligned
+    "f32_g1_aligned": (jnp.float32, 4, 10, 1, 12, False, False),
+    "bf16_p80_g2_init_unaligned": (jnp.bfloat16, 4, 80, 2, 12, True, True),
+    "f32_g4_init_unaligned": (jnp.float32, 4, 6, 4, 20, True, True),
+}
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_recurrence_over_odd_lengths(kernel, case):
+    dtype, heads, head_dim, groups, state, with_initial, unaligned = CASES[case]
+    rng = np.random.default_rng(list(CASES).index(case))
+    inp = _inputs(rng, LENGTHS, heads, head_dim, groups, state, dtype)
+    cu = _cu(LENGTHS)
+    init = inp["init"] if with_initial else None
+    starts = rng.integers(0, 100, len(LENGTHS)).astype(np.int32) if unaligned else None
+    out = _call(kernel, inp, cu, init=init, starts=starts, return_chunk_states=True)
+    _check_against_recurrence(out, inp, cu, init, starts, dtype)
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "gpu_pblocks", "tpu"])
+def test_kernel_matches_reference_with_state_chunks(kernel):
+    """Chunk 16, P 80 split into P blocks, duplicate and unsorted requested chunks."""
+    rng = np.random.default_rng(21)
+    lengths = [15, 37, 0, 16, 17]
+    inp = _inputs(rng, lengths, heads=4, head_dim=80, groups=2, state=12, dtype=jnp.float32)
+    cu = _cu(lengths)
+    starts = jnp.asarray([3, 0, 5, 16, 31], jnp.int32)
+    wanted = jnp.asarray([5, 0, 5, 2, 7, 1], jnp.int32)  # 8 used chunks; unused ones are arbitrary
+    kwargs = dict(chunk_size=16, init=inp["init"], starts=starts, state_chunks=wanted)
+    y, final, tracked = _call(kernel, inp, cu, **kwargs)
+    ref = REF(
+        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], jnp.asarray(cu),
+        chunk_size=16, D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"],
+        initial_states=inp["init"], start_positions=starts, return_chunk_states=True,
+    )  # fmt: skip
+    real = cu[-1]
+    np.testing.assert_allclose(y[:real], ref[0][:real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(final, ref[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tracked, ref[2][wanted], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(final[2], inp["init"][2])  # empty sequence keeps its state
+
+
+def test_gpu_kernel_keeps_initial_states_of_an_all_empty_batch():
+    rng = np.random.default_rng(22)
+    lengths = [0, 0, 0]
+    inp = _inputs(rng, lengths, heads=2, head_dim=4, groups=1, state=8, dtype=jnp.float32, pad=9)
+    y, final = _call("gpu", inp, _cu(lengths), init=inp["init"])
+    np.testing.assert_array_equal(final, inp["init"])
+    assert y.shape == inp["x"].shape
+
+
+def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu():
+    rng = np.random.default_rng(23)
+    lengths = [5, 0, 11]
+    inp = _inputs(rng, lengths, heads=2, head_dim=4, groups=1, state=8, dtype=jnp.float32)
+    cu = jnp.asarray(_cu(lengths))
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], cu)
+    kwargs = dict(chunk_size=CHUNK, dt_bias=inp["dt_bias"], initial_states=inp["init"])
+    ref = SSD(*args, **kwargs, impl="ref")
+    auto = SSD(*args, **kwargs, impl="auto")
+    interp = SSD(*args, **kwargs, impl="interpret")
+    real = int(cu[-1])
+    np.testing.assert_array_equal(auto[0][:real], ref[0][:real])
+    np.testing.assert_allclose(interp[0][:real], ref[0][:real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(interp[1], ref[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        ssd_varlen(*args, **kwargs, return_chunk_states=True, state_chunks=cu[:2])
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform):
+    """Nemotron-Nano mixer shapes (P 80, N 128, chunk 128), bf16, initial and tracked states."""
+    tokens, heads, head_dim, groups, state, seqs = 512, 8, 80, 2, 128, 3
+    sds = jax.ShapeDtypeStruct
+    bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    kernel = ssd_varlen_tpu if platform == "tpu" else ssd_varlen_gpu
+
+    def step(x, dt, A, B, C, cu, D, z, bias, init, starts, wanted):
+        return kernel(
+            x, dt, A, B, C, cu, chunk_size=128, D=D, z=z, dt_bias=bias, initial_states=init,
+            start_positions=starts, state_chunks=wanted,
+        )  # fmt: skip
+
+    # The Triton call is a custom call without a compatibility guarantee: allow it explicitly.
+    checks = (
+        []
+        if platform == "tpu"
+        else [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    )
+    exported = export.export(jax.jit(step), platforms=(platform,), disabled_checks=checks)(
+        sds((tokens, heads, head_dim), bf16), sds((tokens, heads), bf16), sds((heads,), f32),
+        sds((tokens, groups, state), bf16), sds((tokens, groups, state), bf16),
+        sds((seqs + 1,), i32), sds((heads,), f32), sds((tokens, heads, head_dim), bf16),
+        sds((heads,), f32), sds((seqs, heads, head_dim, state), f32), sds((seqs,), i32),
+        sds((seqs,), i32),
+    )  # fmt: skip
+    assert exported.platforms == (platform,)
+    assert [o.shape for o in exported.out_avals] == [
+        (tokens, heads, head_dim),
+        (seqs, heads, head_dim, state),
+        (seqs, heads, head_dim, state),
+    ]
