@@ -1,0 +1,395 @@
+"""Benchmark the decode state update and the causal conv kernels on one GPU.
+
+Nemotron-Nano-9B-v2 Mamba shapes (H 128, P 80, G 8, N 128, conv_dim 12288, K 4), bf16
+activations, fp32 SSM state, bf16 conv state. Per case: our Pallas kernel, the XLA reference
+(``impl="ref"``), SGLang 0.5.23's Triton kernel (if importable), their ratio, and our fraction
+of the roofline (bytes / 4.3 TB/s, each input read once and each output written once).
+
+Outputs are checked against the reference on the device before timing. Decode cases are
+timed the way each engine runs them: ours as ``steps`` updates inside one jitted program
+(``lax.scan``; our decode step is one XLA program), SGLang's as ``steps`` launches captured
+in one CUDA graph; each step touches other slots, so the state is not served from L2.
+Prefill cases rotate two input sets (2 x 400 MB). Median of ``--reps`` timings.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.sgl python scripts/bench_kernels.py
+
+SGLang's files are not part of this repo: unpack ``sglang/kernels/ops/mamba/triton_ops/
+mamba_ssm.py`` and ``sglang/kernels/ops/mamba/causal_conv1d_triton.py`` from the
+``sglang==0.5.23`` wheel into an ignored folder (with empty package ``__init__``s and a shim
+for ``sglang.kernels.jit.utils.is_arch_support_pdl``) and put it on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+try:
+    from jaxmamba.kernels import (  # noqa: E402
+        causal_conv1d_update,
+        causal_conv1d_varlen,
+        selective_state_update,
+    )
+except ImportError:  # not installed (the GPU machine): the repo root is on sys.path
+    from kernels import (  # noqa: E402
+        causal_conv1d_update,
+        causal_conv1d_varlen,
+        selective_state_update,
+    )
+
+H, P, G, N, DIM, K = 128, 80, 8, 128, 12288, 4
+HBM = 4.3e12  # bytes/s, measured D2D copy on this H200 (DESIGN §8)
+ACT = jnp.bfloat16
+IMPL = "pallas"  # --smoke: "interpret" at toy shapes, to check this script on CPU
+
+try:
+    import torch
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import (
+        causal_conv1d_fn as sgl_conv_fn,
+    )
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import (
+        causal_conv1d_update as sgl_conv_update,
+    )
+    from sglang.kernels.ops.mamba.triton_ops.mamba_ssm import (
+        selective_state_update as sgl_ssu,
+    )
+
+    HAVE_SGL = torch.cuda.is_available()
+except ImportError as e:  # pragma: no cover - depends on the machine
+    print(f"SGLang kernels not importable ({e}); timing ours and XLA only")
+    HAVE_SGL = False
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check(name, ours, ref, tol):
+    err = rel_err(ours, ref)
+    status = "ok" if err < tol and np.isfinite(err) else "FAIL"
+    print(f"  check {name}: rel err {err:.2e} ({status}, tol {tol:.0e})")
+    if status == "FAIL":
+        raise SystemExit(f"{name}: output mismatch")
+
+
+def median_time(fn, reps: int) -> float:
+    fn()  # warm-up (compile, autotune, graph upload)
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def torch_time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def graph_of(calls):
+    """Capture ``calls()`` in a CUDA graph; returns a replay function."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()  # warm-up outside capture (Triton compiles here)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return graph.replay
+
+
+def to_torch(a, dtype=None):
+    t = torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32))).cuda()
+    return t if dtype is None else t.to(dtype)
+
+
+ROWS = []
+
+
+def report(case, ours, xla, sgl, nbytes):
+    roof = nbytes / HBM
+    ROWS.append((case, ours, xla, sgl, roof))
+    sgl_s = f"{sgl * 1e6:9.1f}" if sgl else "      n/a"
+    ratio = f"{sgl / ours:5.2f}x" if sgl else "  n/a"
+    print(
+        f"  {case:28s} ours {ours * 1e6:9.1f} us | xla {xla * 1e6:9.1f} | sglang {sgl_s} | "
+        f"sglang/ours {ratio} | roofline {roof * 1e6:7.1f} us = {roof / ours:6.1%} of ours"
+    )
+
+
+# --------------------------------------------------------------------------- state update
+
+
+def bench_state_update(rows: int, steps: int, reps: int, rng):
+    slots_total = 256 if rows <= 32 else 2 * rows  # real slots; the pool has one more (pad)
+    pool = slots_total + 1
+    state = rng.standard_normal((pool, H, P, N), np.float32) * 0.5
+    x = rng.standard_normal((steps, rows, H, P), np.float32)
+    dt = rng.standard_normal((steps, rows, H), np.float32) - 2.0
+    bmat = rng.standard_normal((steps, rows, G, N), np.float32)
+    cmat = rng.standard_normal((steps, rows, G, N), np.float32)
+    a = -np.exp(rng.standard_normal(H).astype(np.float32))
+    d = rng.standard_normal(H).astype(np.float32)
+    dt_bias = rng.standard_normal(H).astype(np.float32) * 0.1
+    perm = rng.permutation(slots_total).astype(np.int32)
+    slot_sets = np.stack([np.roll(perm, -i * rows)[:rows] for i in range(steps)])
+
+    jx = [jnp.asarray(v, ACT) for v in (x, dt, bmat, cmat)]
+    ja, jd, jbias = (jnp.asarray(v) for v in (a, d, dt_bias))
+    jslots = jnp.asarray(slot_sets)
+
+    def steps_fn(impl):
+        def run(state, xs, dts, bs, cs, slot_sets):
+            def body(state, inp):
+                x, dt, b, c, slots = inp
+                y, state = selective_state_update(
+                    state, x, dt, ja, b, c, slots, D=jd, dt_bias=jbias, impl=impl
+                )
+                return state, y
+
+            return jax.lax.scan(body, state, (xs, dts, bs, cs, slot_sets))
+
+        return jax.jit(run, donate_argnums=0)
+
+    ours_fn, ref_fn = steps_fn(IMPL), steps_fn("ref")
+    # Check one step on device: ours against the reference, on fresh pools.
+    s0 = jnp.asarray(state)
+    ys_ref = ref_fn(jnp.asarray(state), *jx, jslots)
+    ys_ours = ours_fn(s0, *jx, jslots)
+    check(f"ssu bs{rows} y", ys_ours[1].astype(jnp.float32), ys_ref[1].astype(jnp.float32), 1e-2)
+    check(f"ssu bs{rows} state", ys_ours[0], ys_ref[0], 1e-4)
+
+    holder = {"ours": ys_ours[0], "ref": ys_ref[0]}
+
+    def timed(key, fn):
+        def call():
+            holder[key], ys = fn(holder[key], *jx, jslots)
+            ys.block_until_ready()
+
+        return median_time(call, reps) / steps
+
+    ours = timed("ours", ours_fn)
+    xla = timed("ref", ref_fn)
+    holder.clear()
+
+    sgl = None
+    if HAVE_SGL:
+        tstate = to_torch(state)
+        tx = [to_torch(v, torch.bfloat16) for v in (x, dt, bmat, cmat)]
+        ta = to_torch(a)[:, None, None].expand(H, P, N)
+        td = to_torch(d)[:, None].expand(H, P)
+        tbias = to_torch(dt_bias)[:, None].expand(H, P)
+        tslots = torch.from_numpy(slot_sets).cuda()
+        outs = torch.empty((steps, rows, H, P), dtype=torch.bfloat16, device="cuda")
+
+        def sgl_step(i):
+            sgl_ssu(
+                tstate, tx[0][i], tx[1][i][:, :, None].expand(rows, H, P), ta, tx[2][i],
+                tx[3][i], D=td, z=None, dt_bias=tbias, dt_softplus=True,
+                state_batch_indices=tslots[i], out=outs[i],
+            )  # fmt: skip
+
+        sgl_step(0)
+        torch.cuda.synchronize()
+        y0 = outs[0].float().cpu().numpy()
+        ref_y0 = np.asarray(ys_ref[1][0].astype(jnp.float32))
+        check(f"sglang ssu bs{rows} y (step 0)", y0, ref_y0, 1e-2)
+        replay = graph_of(lambda: [sgl_step(i) for i in range(steps)])
+        sgl = torch_time(replay, reps) / steps
+        del tstate
+
+    nbytes = 2 * rows * H * P * N * 4 + rows * (2 * H * P + H + 2 * G * N) * 2
+    report(f"state update bs {rows}", ours, xla, sgl, nbytes)
+
+
+# --------------------------------------------------------------------------- conv
+
+
+def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng):
+    tokens = num_seqs * seqlen
+    xs = [rng.standard_normal((tokens, DIM), np.float32) for _ in range(2)]
+    w = rng.standard_normal((K, DIM), np.float32) * 0.5
+    bias = rng.standard_normal(DIM).astype(np.float32) * 0.1
+    init = rng.standard_normal((num_seqs, K - 1, DIM), np.float32)
+    has_init = np.arange(num_seqs) % 2 == 0
+    init[~has_init] = 0.0
+    cu = (np.arange(num_seqs + 1) * seqlen).astype(np.int32)
+    jxs = [jnp.asarray(v, ACT) for v in xs]
+    jw, jb, jinit = jnp.asarray(w, ACT), jnp.asarray(bias, ACT), jnp.asarray(init, ACT)
+    jcu = jnp.asarray(cu)
+
+    def fn(impl):
+        return jax.jit(
+            lambda x: causal_conv1d_varlen(x, jw, jb, jcu, initial_states=jinit, impl=impl)[:2]
+        )
+
+    ours_fn, ref_fn = fn(IMPL), fn("ref")
+    out, ref = ours_fn(jxs[0]), ref_fn(jxs[0])
+    check("conv prefill y", out[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-2)
+    check("conv prefill final", out[1].astype(jnp.float32), ref[1].astype(jnp.float32), 1e-2)
+
+    def timed(f, n=10):
+        def call():
+            outs = [f(jxs[i % 2]) for i in range(n)]
+            jax.block_until_ready(outs)
+
+        return median_time(call, reps) / n
+
+    ours, xla = timed(ours_fn), timed(ref_fn)
+
+    sgl = None
+    if HAVE_SGL:
+        txs = [to_torch(v, torch.bfloat16) for v in xs]  # [T, D]: channel-last views below
+        tw = to_torch(w.T, torch.bfloat16).contiguous()  # [D, K]
+        tb = to_torch(bias, torch.bfloat16)
+        pool = torch.zeros((num_seqs + 1, K - 1, DIM), dtype=torch.bfloat16, device="cuda")
+        pool[:num_seqs] = to_torch(init, torch.bfloat16)
+        tcu = torch.from_numpy(cu).cuda()
+        idx = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
+        thas = torch.from_numpy(has_init).cuda()
+        lens = [seqlen] * num_seqs
+
+        def call_sgl(x):
+            return sgl_conv_fn(
+                x.t(), tw, tb, pool.transpose(1, 2), tcu, lens, cache_indices=idx,
+                has_initial_state=thas, activation="silu",
+            )  # fmt: skip
+
+        y = call_sgl(txs[0]).t().float().cpu().numpy()
+        check("sglang conv prefill y", y, np.asarray(ref[0].astype(jnp.float32)), 1e-2)
+        pool[:num_seqs] = to_torch(init, torch.bfloat16)
+
+        def run(n=10):
+            for i in range(n):
+                call_sgl(txs[i % 2])
+
+        sgl = torch_time(run, reps) / 10
+
+    nbytes = 2 * tokens * DIM * 2 + num_seqs * 2 * (K - 1) * DIM * 2 + (K + 1) * DIM * 2
+    report(f"conv prefill {num_seqs}x{seqlen}", ours, xla, sgl, nbytes)
+
+
+def bench_conv_update(rows: int, steps: int, reps: int, rng):
+    slots_total = max(1024, 2 * rows)
+    pool = rng.standard_normal((slots_total + 1, K - 1, DIM), np.float32)
+    x = rng.standard_normal((steps, rows, DIM), np.float32)
+    w = rng.standard_normal((K, DIM), np.float32) * 0.5
+    bias = rng.standard_normal(DIM).astype(np.float32) * 0.1
+    perm = rng.permutation(slots_total).astype(np.int32)
+    slot_sets = np.stack([np.roll(perm, -i * rows)[:rows] for i in range(steps)])
+    jx, jw, jb = jnp.asarray(x, ACT), jnp.asarray(w, ACT), jnp.asarray(bias, ACT)
+    jslots = jnp.asarray(slot_sets)
+
+    def steps_fn(impl):
+        def run(pool, xs, slot_sets):
+            def body(pool, inp):
+                x, slots = inp
+                y, pool = causal_conv1d_update(pool, x, jw, jb, slots, impl=impl)
+                return pool, y
+
+            return jax.lax.scan(body, pool, (xs, slot_sets))
+
+        return jax.jit(run, donate_argnums=0)
+
+    ours_fn, ref_fn = steps_fn(IMPL), steps_fn("ref")
+    out = ours_fn(jnp.asarray(pool, ACT), jx, jslots)
+    ref = ref_fn(jnp.asarray(pool, ACT), jx, jslots)
+    check(f"conv update bs{rows} y", out[1].astype(jnp.float32), ref[1].astype(jnp.float32), 1e-2)
+    check(
+        f"conv update bs{rows} state", out[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-6
+    )
+    holder = {"ours": out[0], "ref": ref[0]}
+
+    def timed(key, fn):
+        def call():
+            holder[key], ys = fn(holder[key], jx, jslots)
+            ys.block_until_ready()
+
+        return median_time(call, reps) / steps
+
+    ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
+
+    sgl = None
+    if HAVE_SGL:
+        tpool = to_torch(pool, torch.bfloat16)
+        tx = to_torch(x, torch.bfloat16)
+        tw = to_torch(w.T, torch.bfloat16).contiguous()
+        tb = to_torch(bias, torch.bfloat16)
+        tslots = torch.from_numpy(slot_sets).cuda()
+        ys = [None] * steps
+
+        def sgl_step(i):
+            ys[i] = sgl_conv_update(
+                tx[i], tpool.transpose(1, 2), tw, tb, activation="silu",
+                conv_state_indices=tslots[i],
+            )  # fmt: skip
+
+        sgl_step(0)
+        torch.cuda.synchronize()
+        ref_y0 = np.asarray(ref[1][0].astype(jnp.float32))
+        check(f"sglang conv update bs{rows} y", ys[0].float().cpu().numpy(), ref_y0, 1e-2)
+        replay = graph_of(lambda: [sgl_step(i) for i in range(steps)])
+        sgl = torch_time(replay, reps) / steps
+
+    nbytes = rows * (2 * (K - 1) * DIM * 2 + 2 * DIM * 2) + (K + 1) * DIM * 2
+    report(f"conv update bs {rows}", ours, xla, sgl, nbytes)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument(
+        "--cases", default="ssu,conv_prefill,conv_update", help="comma-separated subset"
+    )
+    parser.add_argument("--smoke", action="store_true", help="toy shapes, interpret mode")
+    args = parser.parse_args()
+    if args.smoke:
+        global H, P, G, N, DIM, IMPL
+        H, P, G, N, DIM, IMPL = 4, 16, 2, 16, 256, "interpret"
+        args.reps = 2
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+    rng = np.random.default_rng(0)
+    cases = args.cases.split(",")
+    if "ssu" in cases:
+        for rows, steps in ((1, 256), (8, 32), (32, 8), (256, 4))[: 1 if args.smoke else 4]:
+            bench_state_update(rows, 2 if args.smoke else steps, args.reps, rng)
+    if "conv_prefill" in cases:
+        bench_conv_prefill(2, 64, args.reps, rng) if args.smoke else bench_conv_prefill(
+            8, 2048, args.reps, rng
+        )
+    if "conv_update" in cases:
+        for rows, steps in ((1, 256), (256, 16))[: 1 if args.smoke else 2]:
+            bench_conv_update(rows, 2 if args.smoke else steps, args.reps, rng)
+    print("\n| case | ours (us) | XLA ref (us) | SGLang (us) | SGLang/ours | roofline (us) | % |")
+    print("|---|---|---|---|---|---|---|")
+    for case, ours, xla, sgl, roof in ROWS:
+        sgl_s, ratio = (f"{sgl * 1e6:.1f}", f"{sgl / ours:.2f}") if sgl else ("n/a", "n/a")
+        print(
+            f"| {case} | {ours * 1e6:.1f} | {xla * 1e6:.1f} | {sgl_s} | {ratio} | "
+            f"{roof * 1e6:.1f} | {roof / ours:.0%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
