@@ -152,10 +152,12 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="sweep GPU block sizes first")
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    print(jax.__version__, jax.devices(), flush=True)
+    print(jax.__version__, jax.devices(), BlockSizes.get_default(), flush=True)
 
+    best = None  # block sizes of the fastest sweep point; None: the kernel's defaults
     if args.sweep:
         inp = make_inputs(CASES["1x8192"], False)
+        best_ms = float("inf")
         for bs in (
             BlockSizes(32, 4, 2),
             BlockSizes(16, 4, 2),
@@ -168,6 +170,8 @@ def main():
                 fn, fargs = ours(inp, "pallas", bs)
                 ms = time_jax(fn, *fargs, iters=15) * 1e3
                 print(f"sweep {bs}: {ms:.3f} ms (incl. compile {time.perf_counter() - t0:.0f} s)")
+                if ms < best_ms:
+                    best, best_ms = bs, ms
             except Exception as e:  # noqa: BLE001
                 print(f"sweep {bs}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
@@ -187,15 +191,19 @@ def main():
         with_init = "init" in name
         inp = make_inputs(lengths, with_init)
         real = sum(lengths)
-        fn, fargs = ours(inp, "pallas")
+        fn, fargs = ours(inp, "pallas", best)
         ref_fn, _ = ours(inp, "ref")
-        y, final, _ = fn(*fargs)
         y_ref, final_ref, _ = ref_fn(*fargs)
-        err_y = rel_err(y[:real], y_ref[:real])
-        err_s = rel_err(final, final_ref)
-        ok = err_y < 2e-2 and err_s < 2e-2 and bool(jnp.all(jnp.isfinite(y[:real])))
-        t_ours = time_jax(fn, *fargs) * 1e3
         t_ref = time_jax(ref_fn, *fargs, iters=10) * 1e3
+        try:
+            y, final, _ = fn(*fargs)
+            err_y = rel_err(y[:real], y_ref[:real])
+            err_s = rel_err(final, final_ref)
+            ok = err_y < 2e-2 and err_s < 2e-2 and bool(jnp.all(jnp.isfinite(y[:real])))
+            t_ours = time_jax(fn, *fargs) * 1e3
+        except Exception as e:  # noqa: BLE001
+            print(f"{name}: ours FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
+            ok, err_y, err_s, t_ours = False, float("nan"), float("nan"), float("nan")
         t_sgl = float("nan")
         if sgl is not None:
             try:
