@@ -1,7 +1,7 @@
 """jaxmamba: a JAX/XLA serving engine for Mamba2 hybrid language models."""
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.engine.engine import SamplingParams
+from jaxmamba.engine.request import SamplingParams
 from jaxmamba.llm import LLM, CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "ModelConfig", "RequestOutput", "CompletionOutput"]

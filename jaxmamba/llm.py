@@ -9,7 +9,6 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.engine.engine import Engine, EngineConfig, Request, SamplingParams
+from jaxmamba.engine.engine import LLMEngine
+from jaxmamba.engine.request import Request, SamplingParams
 from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.engine.scheduler import EngineConfig
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params, param_shapes
 from jaxmamba.tokenizer import load_tokenizer
@@ -72,24 +73,43 @@ class LLM:
         max_num_seqs: int = 8,
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 512,
+        max_prefill_seqs: int = 8,
         page_size: int = 16,
+        enable_prefix_caching: bool = True,
+        track_interval: int = 256,
+        num_state_slots: int | None = None,
+        num_pages: int | None = None,
+        precompile: bool = False,
         seed: int = 0,
         impl: str = "auto",
+        params=None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_cfg = ModelConfig.load(model)
         self.dtype = DTYPES[dtype]
         self.engine_cfg = EngineConfig(
-            max_num_seqs, max_model_len, max_num_batched_tokens, page_size
-        )
-        params = load_params(model, self.model_cfg, self.dtype, seed)
-        spec = CacheSpec(
-            num_slots=max_num_seqs, num_pages=max_num_seqs * self.engine_cfg.max_pages_per_seq,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_seqs=max_prefill_seqs,
             page_size=page_size,
-        )  # fmt: skip
+            enable_prefix_caching=enable_prefix_caching,
+            track_interval=track_interval,
+            num_state_slots=num_state_slots,
+            num_pages=num_pages,
+        )
+        if params is None:
+            params = load_params(model, self.model_cfg, self.dtype, seed)
+        spec = CacheSpec(
+            num_slots=self.engine_cfg.state_slots,
+            num_pages=self.engine_cfg.pages,
+            page_size=page_size,
+        )
         self.runner = ModelRunner(self.model_cfg, params, spec, dtype=self.dtype, impl=impl)
-        self.engine = Engine(self.model_cfg, self.runner, self.engine_cfg)
+        self.engine = LLMEngine(self.model_cfg, self.runner, self.engine_cfg)
+        if precompile:
+            self.engine.precompile()
         self.tokenizer = load_tokenizer(model, self.model_cfg)
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
@@ -157,14 +177,21 @@ class LLM:
             logprobs=req.output_logprobs if req.params.logprobs is not None else None,
             finish_reason=req.finish_reason,
         )
-        metrics = {}
-        if req.first_token_time is not None:
-            metrics["ttft_s"] = req.first_token_time - req.arrival_time
-            metrics["e2e_s"] = time.perf_counter() - req.arrival_time
         return RequestOutput(
             request_id=str(req.request_id),
             prompt=prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
-            metrics=metrics,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=req.stats(),
         )
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix that no running request uses."""
+        cache = self.engine.scheduler.prefix_cache
+        if cache is not None:
+            cache.reset()
+
+    def stats(self) -> dict[str, float]:
+        """Engine counters: steps, tokens, device reads, compilations, free slots/pages, hits."""
+        return self.engine.counters()

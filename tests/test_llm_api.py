@@ -98,8 +98,10 @@ def test_bad_input_raises_value_error_and_llm_stays_usable(llm, kwargs, message)
         llm.generate(**kwargs)
     (out,) = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=greedy(3))
     assert len(out.outputs[0].token_ids) == 3
-    assert llm.engine.slots.num_free == llm.engine.slots.capacity
-    assert llm.engine.pages.num_free == llm.engine.pages.capacity
+    llm.reset_prefix_cache()
+    scheduler = llm.engine.scheduler
+    assert scheduler.slots.num_free == scheduler.slots.capacity
+    assert scheduler.pages.num_free == scheduler.pages.capacity
 
 
 BAD_SAMPLING = [

@@ -50,7 +50,7 @@ def test_step_jaxpr_has_no_host_callbacks(runner, bucket):
     ]
     inputs = builder(runner).build(rows, bucket)
     step = functools.partial(runner._step_fn, num_decode=bucket.num_decode)
-    closed = jax.make_jaxpr(step)(runner.params, runner.cache, inputs)
+    closed = jax.make_jaxpr(step)(runner.params, runner.cache, runner.last_tokens, inputs)
     names = primitive_names(closed.jaxpr)
     assert "scan" in names or bucket.num_decode == bucket.num_rows  # the jaxpr is the real step
     assert not [n for n in names if any(f in n for f in FORBIDDEN)], names

@@ -23,6 +23,7 @@ class RowSpec:
     state_slot: int
     pages: list[int]
     init_slot: int | None = None  # defaults to state_slot; a prefix-cache hit reads elsewhere
+    token_from_device: bool = False  # a decode row fed the token its previous step sampled
     track_slot: int | None = None
     track_len: int = 0
     temperature: float = 0.0
@@ -90,6 +91,7 @@ class StepBuilder:
         T, B = bucket.num_tokens, bucket.num_rows
         pad_slot, pad_page = self.spec.pad_slot, self.spec.pad_page
         input_ids = np.zeros(T, np.int32)
+        from_device = np.zeros(B, bool)
         qsl = np.zeros(B + 1, np.int32)
         prefix_lens = np.zeros(B, np.int32)
         state_slots = np.full(B, pad_slot, np.int32)
@@ -109,6 +111,7 @@ class StepBuilder:
             input_ids[offset : offset + n] = row.tokens
             offset += n
             prefix_lens[r] = row.prefix_len
+            from_device[r] = row.token_from_device
             state_slots[r] = row.state_slot
             init_slots[r] = row.state_slot if row.init_slot is None else row.init_slot
             has_init[r] = row.prefix_len > 0 and row.state_slot != pad_slot
@@ -124,13 +127,15 @@ class StepBuilder:
         qsl[1 : len(rows) + 1] = np.cumsum([len(row.tokens) for row in rows])
         qsl[len(rows) + 1 :] = offset
         return StepInputs(
-            input_ids, qsl, prefix_lens, state_slots, init_slots, has_init, track_slots,
+            input_ids, from_device, qsl, prefix_lens, state_slots, init_slots, has_init, track_slots,
             track_lens, page_table, temperature, top_p, top_k, seeds, counters,
         )  # fmt: skip
 
+    def padding(self, bucket: Bucket) -> StepInputs:
+        """A step of padding only (every row on the pad slot): for warming a bucket up."""
+        return self.build([], bucket, num_decode_rows=0)
+
     def _validate(self, rows: list[RowSpec], bucket: Bucket) -> None:
-        if not rows:
-            raise ValueError("a step needs at least one row")
         if len(rows) > bucket.num_rows:
             raise ValueError(f"{len(rows)} rows do not fit the bucket's {bucket.num_rows} rows")
         total = sum(len(row.tokens) for row in rows)
@@ -149,6 +154,8 @@ class StepBuilder:
                 raise ValueError(f"row {r} has no tokens")
             if r < nd and n != 1:
                 raise ValueError(f"decode row {r} must carry exactly 1 token, got {n}")
+            if row.token_from_device and r >= nd:
+                raise ValueError(f"row {r} takes its token from the device but is not a decode row")
             bad = [t for t in row.tokens if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(

@@ -1,167 +1,120 @@
-"""A small generation engine: admit requests into slots, prefill (chunked), then decode.
+"""The engine loop: schedule → dispatch → read the previous step's tokens → post-process.
 
-Host bookkeeping only; `ModelRunner` is the one that touches the device. Each step is one
-jitted call over a bucketed batch, and reads back one packed array of sampled tokens.
+`LLMEngine.step()` dispatches step n+1 before it reads step n's sampled tokens (one packed
+device→host read per step), so the device is never idle waiting for Python. Stop tokens are
+therefore noticed one step late; the extra step's sample is dropped.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import jax
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.engine.allocator import BlockAllocator
-from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder, pow2_buckets, smallest_fitting
+from jaxmamba.engine.batch import StepBuilder
+from jaxmamba.engine.request import Request
 from jaxmamba.engine.runner import ModelRunner, unpack_sample_output
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request (vLLM's names). `temperature=0` is greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self):
-        from jaxmamba.model.sampling import MAX_LOGPROBS
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+from jaxmamba.engine.scheduler import EngineConfig, ScheduledStep, Scheduler
 
 
 @dataclass
-class Request:
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    num_computed: int = 0  # tokens whose state is in the cache
-    slot: int | None = None
-    pages: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_token_ids)
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    finished_requests: int = 0
+    device_reads: int = 0
+    step_kinds: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill": 0, "mixed": 0})
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 8
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 512
-    page_size: int = 16
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "page_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
-
-
-class Engine:
-    def __init__(self, cfg: ModelConfig, runner: ModelRunner, config: EngineConfig):
-        self.cfg = cfg
+class LLMEngine:
+    def __init__(self, model_cfg: ModelConfig, runner: ModelRunner, config: EngineConfig):
+        self.model_cfg = model_cfg
         self.runner = runner
         self.config = config
-        spec = runner.cache_spec
-        self.slots = BlockAllocator(spec.num_slots, "state slot")
-        self.pages = BlockAllocator(spec.num_pages, "KV page")
-        self.builder = StepBuilder(spec, config.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
-        self.row_buckets = pow2_buckets(config.max_num_seqs)
-        self.token_buckets = pow2_buckets(config.max_num_batched_tokens, start=16)
-        self.eos_token_id = cfg.eos_token_id
-        self.num_steps = 0
-
-    # -- host bookkeeping -------------------------------------------------------------------
-    def _admit(self, req: Request) -> None:
-        req.slot = self.slots.allocate(1)[0]
-
-    def _release(self, req: Request) -> None:
-        if req.slot is not None:
-            self.slots.free([req.slot])
-            req.slot = None
-        self.pages.free(req.pages)
-        req.pages = []
-
-    def _reserve_pages(self, req: Request, length: int) -> None:
-        need = -(-length // self.config.page_size) - len(req.pages)
-        if need > 0:
-            req.pages.extend(self.pages.allocate(need))
-
-    def _row(self, req: Request, tokens: list[int]) -> RowSpec:
-        p = req.params
-        self._reserve_pages(req, req.num_computed + len(tokens))
-        return RowSpec(
-            tokens=tokens,
-            prefix_len=req.num_computed,
-            state_slot=req.slot,
-            pages=req.pages,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=req.seed,
-            sample_counter=len(req.output_token_ids),
+        self.scheduler = Scheduler(model_cfg, config)
+        self.builder = StepBuilder(
+            runner.cache_spec, config.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size
         )
+        self.eos_token_id = model_cfg.eos_token_id
+        self.stats = EngineStats()
+        self._inflight: tuple[ScheduledStep, jax.Array] | None = None
 
-    def _schedule(self, running: list[Request]) -> tuple[list[Request], list[RowSpec], Bucket]:
-        prefilling = [r for r in running if r.in_prefill]
-        if prefilling:
-            budget = self.config.max_num_batched_tokens
-            reqs, rows = [], []
-            for req in prefilling:
-                if budget == 0:
-                    break
-                chunk = req.prompt_token_ids[req.num_computed : req.num_computed + budget]
-                budget -= len(chunk)
-                reqs.append(req)
-                rows.append(self._row(req, chunk))
-            num_tokens = sum(len(r.tokens) for r in rows)
-            bucket = Bucket(
-                smallest_fitting(self.token_buckets, num_tokens, "prefill tokens"),
-                smallest_fitting(self.row_buckets, len(rows), "rows"),
-            )
-            return reqs, rows, bucket
-        rows = [self._row(req, [req.all_token_ids[-1]]) for req in running]
-        b = smallest_fitting(self.row_buckets, len(rows), "rows")
-        return running, rows, Bucket(b, b, b)
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.scheduler.waiting.append(req)
 
-    def _postprocess(self, reqs: list[Request], rows: list[RowSpec], sampled) -> None:
+    def has_unfinished(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s.running or self._inflight)
+
+    # -- warm-up ------------------------------------------------------------------------------
+    def precompile(self, show_progress: bool = True) -> int:
+        """Compile every bucket now; returns how many. Afterwards nothing compiles."""
+        buckets = self.scheduler.all_buckets()
+        start = time.perf_counter()
+
+        def progress(i, n, bucket):
+            if show_progress:
+                width = 30
+                bar = "#" * (width * i // n) + "-" * (width - width * i // n)
+                sys.stderr.write(
+                    f"\rprecompiling [{bar}] {i}/{n} buckets "
+                    f"({time.perf_counter() - start:.0f} s, last T={bucket.num_tokens} "
+                    f"B={bucket.num_rows} decode={bucket.num_decode})"
+                )
+                if i == n:
+                    sys.stderr.write("\n")
+                sys.stderr.flush()
+
+        self.runner.precompile(buckets, self.builder.padding, progress)
+        return len(buckets)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Dispatch the next step, then post-process the previous one; returns finished requests."""
+        scheduled = self.scheduler.schedule()
+        dispatched = None
+        if scheduled is not None:
+            inputs = self.builder.build(scheduled.specs, scheduled.bucket, scheduled.num_decode_rows)
+            dispatched = (scheduled, self.runner.step(inputs, scheduled.bucket.num_decode))
+            self._count(scheduled)
+        finished = []
+        if self._inflight is not None:
+            finished = self._postprocess(*self._inflight)
+        elif dispatched is None and self.scheduler.running:
+            raise RuntimeError("scheduler made no progress with requests still running")
+        self._inflight = dispatched
+        return finished
+
+    def _count(self, step: ScheduledStep) -> None:
+        st = self.stats
+        st.steps += 1
+        nd = step.num_decode_rows
+        st.decode_tokens += nd
+        st.prefill_tokens += sum(len(r.spec.tokens) for r in step.rows[nd:])
+        kind = "decode" if nd == len(step.rows) else ("mixed" if nd else "prefill")
+        st.step_kinds[kind] += 1
+
+    def _postprocess(self, step: ScheduledStep, packed: jax.Array) -> list[Request]:
+        sampled = unpack_sample_output(jax.device_get(packed))  # the one read per step
+        self.stats.device_reads += 1
         now = time.perf_counter()
-        for i, (req, row) in enumerate(zip(reqs, rows, strict=True)):
-            req.num_computed += len(row.tokens)
-            if req.in_prefill:
-                continue  # a prompt chunk that did not reach the end: its sample is unused
+        finished = []
+        for i, row in enumerate(step.rows):
+            req = row.request
+            track_slot = row.spec.track_slot if row.track_len else None
+            if req.finished:
+                if track_slot is not None:
+                    self.scheduler.slots.free([track_slot])
+                continue
+            if track_slot is not None:
+                self.scheduler.record_checkpoint(req, row.track_len, track_slot)
+            if not row.samples:
+                continue
             token = int(sampled.tokens[i])
             req.output_token_ids.append(token)
             req.cumulative_logprob += float(sampled.logprobs[i])
@@ -169,15 +122,16 @@ class Engine:
                 req.first_token_time = now
             k = req.params.logprobs
             if k is not None:
-                top = {
-                    int(t): float(v)
-                    for t, v in zip(
-                        sampled.top_ids[i, :k], sampled.top_logprobs[i, :k], strict=True
-                    )
-                }
+                top = dict(zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist()))
                 top[token] = float(sampled.logprobs[i])
                 req.output_logprobs.append(top)
             req.finish_reason = self._finish_reason(req, token)
+            if req.finished:
+                req.finish_time = now
+                self.scheduler.release(req)
+                self.stats.finished_requests += 1
+                finished.append(req)
+        return finished
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -191,28 +145,46 @@ class Engine:
             return "length"
         return None
 
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self, requests: list[Request], progress=None) -> list[Request]:
-        waiting = deque(requests)
-        running: list[Request] = []
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Add `requests` and step until every one has finished."""
+        for req in requests:
+            self.add_request(req)
         try:
-            while waiting or running:
-                while waiting and len(running) < self.config.max_num_seqs and self.slots.num_free:
-                    req = waiting.popleft()
-                    self._admit(req)
-                    running.append(req)
-                reqs, rows, bucket = self._schedule(running)
-                inputs = self.builder.build(rows, bucket)
-                packed = self.runner.step(inputs, bucket.num_decode)
-                sampled = unpack_sample_output(jax.device_get(packed))
-                self.num_steps += 1
-                self._postprocess(reqs, rows, sampled)
-                for req in [r for r in running if r.finish_reason is not None]:
-                    running.remove(req)
-                    self._release(req)
-                    if progress is not None:
-                        progress(req)
-        finally:
-            for req in running:
-                self._release(req)
+            while self.has_unfinished():
+                self.step()
+        except BaseException:
+            self.abort_all()
+            raise
         return requests
+
+    def abort_all(self) -> None:
+        """Drop every request and return its resources (after an error, or on shutdown)."""
+        if self._inflight is not None:
+            jax.block_until_ready(self._inflight[1])
+            for row in self._inflight[0].rows:
+                if row.track_len and row.spec.track_slot is not None:
+                    self.scheduler.slots.free([row.spec.track_slot])
+            self._inflight = None
+        for req in list(self.scheduler.running):
+            req.finish_reason = req.finish_reason or "abort"
+            self.scheduler.release(req)
+        self.scheduler.waiting.clear()
+
+    def counters(self) -> dict[str, float]:
+        s, st = self.scheduler, self.stats
+        cache = s.prefix_cache
+        out = {
+            "steps": st.steps,
+            "prefill_tokens": st.prefill_tokens,
+            "decode_tokens": st.decode_tokens,
+            "device_reads": st.device_reads,
+            "finished_requests": st.finished_requests,
+            "compilations": self.runner.num_compiles,
+            "free_slots": s.slots.num_free,
+            "free_pages": s.pages.num_free,
+            **{f"{k}_steps": v for k, v in st.step_kinds.items()},
+        }
+        if cache is not None:
+            out["prefix_cache_nodes"] = cache.num_nodes
+            out["prefix_cache_hit_rate"] = cache.hit_tokens / max(cache.query_tokens, 1)
+        return out

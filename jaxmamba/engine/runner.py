@@ -63,9 +63,12 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         self.model = Mamba2HybridLM(cfg, self.dtype, impl)
         self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
+        self.last_tokens = jnp.zeros(cache_spec.num_slots + 1, jnp.int32)
         self.num_compiles = 0
         self._step = jax.jit(
-            self._step_fn, static_argnames=("num_decode",), donate_argnames=("cache",)
+            self._step_fn,
+            static_argnames=("num_decode",),
+            donate_argnames=("cache", "last_tokens"),
         )
         self._forward_logits = jax.jit(
             self._logits_fn, static_argnames=("num_decode",), donate_argnames=("cache",)
@@ -80,10 +83,22 @@ class ModelRunner:
             pad_page=self.cache_spec.pad_page,
         )
 
-    def _step_fn(self, params, cache: StateCache, inputs: StepInputs, *, num_decode: int):
+    @staticmethod
+    def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> jax.Array:
+        if num_decode == 0:
+            return inputs.input_ids
+        decode_ids = jnp.where(
+            inputs.tokens_from_device[:num_decode],
+            last_tokens[inputs.state_slots[:num_decode]],
+            inputs.input_ids[:num_decode],
+        )
+        return inputs.input_ids.at[:num_decode].set(decode_ids)
+
+    def _step_fn(self, params, cache: StateCache, last_tokens, inputs: StepInputs, *, num_decode):
         self.num_compiles += 1  # runs only while tracing, i.e. once per compiled bucket
         meta = self.build_metadata(inputs, num_decode)
-        hidden, cache = self.model.apply({"params": params}, inputs.input_ids, cache, meta)
+        input_ids = self._input_ids(inputs, last_tokens, num_decode)
+        hidden, cache = self.model.apply({"params": params}, input_ids, cache, meta)
         logits = self.model.apply(
             {"params": params}, hidden[meta.last_token_index], method=Mamba2HybridLM.logits
         )
@@ -95,7 +110,8 @@ class ModelRunner:
             inputs.seeds,
             inputs.sample_counters,
         )
-        return pack_sample_output(out), cache
+        last_tokens = last_tokens.at[inputs.state_slots].set(out.tokens)
+        return pack_sample_output(out), cache, last_tokens
 
     def _logits_fn(self, params, cache: StateCache, inputs: StepInputs, *, num_decode: int):
         self.num_compiles += 1
@@ -113,11 +129,20 @@ class ModelRunner:
 
     def step(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Dispatch one step; returns the packed device output without waiting for it."""
-        packed, self.cache = self._step(
-            self.params, self.cache, jax.device_put(inputs), num_decode=num_decode
+        packed, self.cache, self.last_tokens = self._step(
+            self.params, self.cache, self.last_tokens, jax.device_put(inputs), num_decode=num_decode
         )
         return packed
 
     def lower_step(self, inputs: StepInputs, num_decode: int):
         """The step lowered for these shapes (for jaxpr/HLO inspection and export)."""
-        return self._step.lower(self.params, self.cache, inputs, num_decode=num_decode)
+        return self._step.lower(
+            self.params, self.cache, self.last_tokens, inputs, num_decode=num_decode
+        )
+
+    def precompile(self, buckets, build_inputs, progress=None) -> None:
+        """Compile (and run once, on padding only) the step of every bucket."""
+        for i, bucket in enumerate(buckets):
+            jax.block_until_ready(self.step(build_inputs(bucket), bucket.num_decode))
+            if progress is not None:
+                progress(i + 1, len(buckets), bucket)

@@ -29,6 +29,7 @@ class StepInputs(NamedTuple):
     """Fixed-shape arrays the host fills for one step; moved with a single `device_put`."""
 
     input_ids: jax.Array  # i32[T]
+    tokens_from_device: jax.Array  # bool[B] decode row's input is its slot's last sampled token
     query_start_loc: jax.Array  # i32[B+1] cumulative token counts per row (pad rows: 0 tokens)
     prefix_lens: jax.Array  # i32[B] tokens already in the cache before this step
     state_slots: jax.Array  # i32[B] working state slot (pad rows: the pad slot)

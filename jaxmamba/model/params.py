@@ -19,6 +19,7 @@ def _dummy_step(cfg: ModelConfig, dtype):
     T = cfg.chunk_size
     inputs = StepInputs(
         input_ids=np.zeros(T, np.int32),
+        tokens_from_device=np.zeros(1, bool),
         query_start_loc=np.array([0, T], np.int32),
         prefix_lens=np.zeros(1, np.int32),
         state_slots=np.zeros(1, np.int32),

@@ -1,0 +1,102 @@
+"""Requests and their sampling parameters: host-side state, no device access."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jaxmamba.model.sampling import MAX_LOGPROBS
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (vLLM's names). `temperature=0` is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class Request:
+    """One sequence through the engine.
+
+    Counters run ahead of what the host has read: `num_computed` and `num_scheduled_outputs`
+    count what dispatched steps will have done, so the next step can be scheduled before the
+    previous one's tokens are back (overlap). `output_token_ids` holds the tokens read so far.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed: int = 0  # tokens fed to dispatched steps (their state/KV is in the cache)
+    num_scheduled_outputs: int = 0  # tokens that dispatched steps will sample for it
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    slot: int | None = None  # working state slot
+    init_slot: int | None = None  # prefix-cache checkpoint read by the first step
+    pages: list[int] = field(default_factory=list)  # page table (shared prefix pages first)
+    owned_pages: set[int] = field(default_factory=set)  # pages freed when the request ends
+    node_refs: list = field(default_factory=list)  # prefix-cache nodes it holds
+    cached_len: int = 0  # length of the deepest prefix it has in the cache tree
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def max_total_len(self, max_model_len: int) -> int:
+        return min(self.prompt_len + self.params.max_tokens, max_model_len)
+
+    def done_scheduling(self, max_model_len: int) -> bool:
+        """Every token it may still produce is already in a dispatched step."""
+        if self.in_prefill:
+            return False
+        return self.prompt_len + self.num_scheduled_outputs >= self.max_total_len(max_model_len)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {"num_cached_tokens": float(self.num_cached_tokens)}
+        if self.first_token_time is not None:
+            out["ttft_s"] = self.first_token_time - self.arrival_time
+        n = len(self.output_token_ids)
+        if self.finish_time is not None and self.first_token_time is not None and n > 1:
+            out["decode_s_per_token"] = (self.finish_time - self.first_token_time) / (n - 1)
+        if self.finish_time is not None:
+            out["e2e_s"] = self.finish_time - self.arrival_time
+        return out

@@ -1,0 +1,260 @@
+"""The scheduler: which requests run in the next step, with which tokens, in which bucket.
+
+Host bookkeeping only. Each step carries every decoding request (one token each, its input
+read on device from the previous step's sample) plus prefill chunks of at most
+`max_num_batched_tokens` tokens in all, so a step can mix decode rows and prefill chunks.
+Admission reserves a state slot and every KV page the request can need, so a running request
+never waits for memory; the prefix cache is evicted (LRU) when the pools run short.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.engine.allocator import BlockAllocator
+from jaxmamba.engine.batch import Bucket, RowSpec, pow2_buckets, smallest_fitting
+from jaxmamba.engine.prefix_cache import PrefixCache
+from jaxmamba.engine.request import Request
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512
+    max_prefill_seqs: int = 8  # prefill rows per step
+    page_size: int = 16
+    enable_prefix_caching: bool = True
+    track_interval: int = 256  # decode checkpoints every this many tokens (a block multiple)
+    num_state_slots: int | None = None  # default: max_num_seqs, twice that with prefix caching
+    num_pages: int | None = None  # default: every row at max_model_len, 2x with caching
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                     "max_prefill_seqs", "page_size", "track_interval"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def state_slots(self) -> int:
+        if self.num_state_slots is not None:
+            return self.num_state_slots
+        return self.max_num_seqs * (2 if self.enable_prefix_caching else 1)
+
+    @property
+    def pages(self) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return self.max_num_seqs * self.max_pages_per_seq * (2 if self.enable_prefix_caching else 1)
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    spec: RowSpec
+    samples: bool  # the row's sample is the request's next output token
+    track_len: int = 0  # > 0: the step writes a state checkpoint at this length
+
+
+@dataclass
+class ScheduledStep:
+    rows: list[ScheduledRow]  # decode rows first
+    bucket: Bucket
+    num_decode_rows: int
+
+    @property
+    def specs(self) -> list[RowSpec]:
+        return [r.spec for r in self.rows]
+
+
+class Scheduler:
+    def __init__(self, model_cfg: ModelConfig, config: EngineConfig):
+        self.model_cfg = model_cfg
+        self.config = config
+        if config.max_num_seqs > config.state_slots:
+            raise ValueError(f"num_state_slots {config.state_slots} < max_num_seqs {config.max_num_seqs}")
+        if config.pages < config.max_pages_per_seq:
+            raise ValueError(f"num_pages {config.pages} cannot hold one max_model_len sequence")
+        self.slots = BlockAllocator(config.state_slots, "state slot")
+        self.pages = BlockAllocator(config.pages, "KV page")
+        self.block_size = math.lcm(model_cfg.chunk_size, config.page_size)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            if config.track_interval % self.block_size:
+                raise ValueError(
+                    f"track_interval {config.track_interval} must be a multiple of "
+                    f"lcm(chunk_size, page_size) = {self.block_size}"
+                )
+            self.prefix_cache = PrefixCache(self.block_size, config.page_size, self.slots, self.pages)
+        self.decode_buckets = pow2_buckets(config.max_num_seqs)
+        self.prefill_row_buckets = pow2_buckets(min(config.max_prefill_seqs, config.max_num_seqs))
+        self.token_buckets = pow2_buckets(config.max_num_batched_tokens, start=16)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- buckets ------------------------------------------------------------------------------
+    def all_buckets(self) -> list[Bucket]:
+        """Every bucket a step can use: what `precompile` compiles."""
+        buckets = [Bucket(b, b, b) for b in self.decode_buckets]
+        for t in self.token_buckets:
+            for bp in self.prefill_row_buckets:
+                for bd in [0, *self.decode_buckets]:
+                    if bd < t:
+                        buckets.append(Bucket(t, bd + bp, bd))
+        return buckets
+
+    # -- resources ----------------------------------------------------------------------------
+    def _take(self, allocator: BlockAllocator, n: int, *, slots: bool) -> list[int] | None:
+        if allocator.num_free < n and self.prefix_cache is not None:
+            if slots:
+                self.prefix_cache.evict(need_slots=n)
+            else:
+                self.prefix_cache.evict(need_pages=n)
+        if allocator.num_free < n:
+            return None
+        return allocator.allocate(n)
+
+    def _admit(self, req: Request) -> bool:
+        cache, page_size = self.prefix_cache, self.config.page_size
+        match = None
+        if cache is not None:
+            match = cache.match(req.prompt_token_ids, req.prompt_len - 1)
+            cache.acquire(match.path)  # pin before evicting for this request's own needs
+        shared = match.pages if match else []
+        total = -(-req.max_total_len(self.config.max_model_len) // page_size)
+        slot = self._take(self.slots, 1, slots=True)
+        own = self._take(self.pages, total - len(shared), slots=False) if slot else None
+        if slot is None or own is None:
+            if slot:
+                self.slots.free(slot)
+            if match:
+                cache.release(match.path)
+            return False
+        req.slot = slot[0]
+        req.pages = shared + own
+        req.owned_pages = set(own)
+        if match and match.length:
+            req.node_refs = list(match.path)
+            req.num_cached_tokens = req.num_computed = req.cached_len = match.length
+            req.init_slot = match.slot
+        elif match:
+            cache.release(match.path)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Return everything a finished request holds."""
+        if self.prefix_cache is not None and req.node_refs:
+            self.prefix_cache.release(req.node_refs)
+        req.node_refs = []
+        self.pages.free(sorted(req.owned_pages))
+        req.owned_pages = set()
+        req.pages = []
+        if req.slot is not None:
+            self.slots.free([req.slot])
+            req.slot = None
+        self.running.remove(req)
+
+    def record_checkpoint(self, req: Request, length: int, slot: int) -> None:
+        """After a step wrote `slot` = state at `length`: hand it to the prefix cache."""
+        cache = self.prefix_cache
+        _, taken, took_slot = cache.insert(req.all_token_ids, length, req.pages, slot)
+        req.owned_pages -= taken
+        path, node = [], cache.root
+        for key in cache._blocks(req.all_token_ids, length):
+            node = node.children[key]
+            path.append(node)
+        held = set(map(id, req.node_refs))
+        new = [n for n in path if id(n) not in held]
+        cache.acquire(new)
+        req.node_refs.extend(new)
+        req.cached_len = max(req.cached_len, length)
+        if not took_slot:
+            self.slots.free([slot])
+
+    # -- rows ---------------------------------------------------------------------------------
+    def _row(self, req: Request, tokens: list[int], *, from_device: bool) -> RowSpec:
+        p = req.params
+        return RowSpec(
+            tokens=tokens,
+            prefix_len=req.num_computed,
+            state_slot=req.slot,
+            pages=req.pages,
+            init_slot=req.init_slot,
+            token_from_device=from_device,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=req.seed,
+            sample_counter=req.num_scheduled_outputs,
+        )
+
+    def _maybe_track(self, row: ScheduledRow, length: int) -> None:
+        req = row.request
+        if self.prefix_cache is None or length <= req.cached_len or length <= row.spec.prefix_len:
+            return
+        slot = self._take(self.slots, 1, slots=True)
+        if slot is None:
+            return  # no room for a checkpoint this time; only a later cache hit is lost
+        row.spec.track_slot, row.spec.track_len, row.track_len = slot[0], length, length
+
+    def _schedule_tokens(self, req: Request, n: int, *, from_device: bool) -> ScheduledRow:
+        start = req.num_computed
+        tokens = [0] if from_device else req.prompt_token_ids[start : start + n]
+        row = ScheduledRow(req, self._row(req, tokens, from_device=from_device), samples=False)
+        end = start + n
+        if from_device:
+            if end % self.config.track_interval == 0:
+                self._maybe_track(row, end)
+        else:
+            self._maybe_track(row, end - end % self.block_size)
+        req.num_computed = end
+        req.init_slot = None
+        if end >= req.prompt_len:
+            row.samples = True
+            req.num_scheduled_outputs += 1
+        return row
+
+    def schedule(self) -> ScheduledStep | None:
+        cfg = self.config
+        limit = cfg.max_model_len
+        decode = [r for r in self.running
+                  if not r.in_prefill and not r.finished and not r.done_scheduling(limit)]  # fmt: skip
+        rows = [self._schedule_tokens(r, 1, from_device=True) for r in decode]
+        bd = smallest_fitting([0, *self.decode_buckets], len(rows), "decode rows")
+        budget = cfg.max_num_batched_tokens - bd
+        max_prefill = len(self.prefill_row_buckets) and self.prefill_row_buckets[-1]
+        prefill: list[ScheduledRow] = []
+        for req in [r for r in self.running if r.in_prefill and not r.finished]:
+            if budget <= 0 or len(prefill) >= max_prefill:
+                break
+            n = min(budget, req.prompt_len - req.num_computed)
+            prefill.append(self._schedule_tokens(req, n, from_device=False))
+            budget -= n
+        while (self.waiting and budget > 0 and len(prefill) < max_prefill
+               and len(self.running) < cfg.max_num_seqs):  # fmt: skip
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(budget, req.prompt_len - req.num_computed)
+            prefill.append(self._schedule_tokens(req, n, from_device=False))
+            budget -= n
+        if not rows and not prefill:
+            return None
+        if not prefill:
+            b = smallest_fitting(self.decode_buckets, len(rows), "decode rows")
+            return ScheduledStep(rows, Bucket(b, b, b), len(rows))
+        bp = smallest_fitting(self.prefill_row_buckets, len(prefill), "prefill rows")
+        num_tokens = bd + sum(len(r.spec.tokens) for r in prefill)
+        t = smallest_fitting(self.token_buckets, num_tokens, "step tokens")
+        if bd >= t:  # keep at least one prefill token slot past the decode block
+            t = smallest_fitting(self.token_buckets, bd + 1, "step tokens")
+        return ScheduledStep(rows + prefill, Bucket(t, bd + bp, bd), len(rows))
