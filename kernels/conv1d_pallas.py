@@ -176,6 +176,7 @@ class ConvVarlenBlockSizes:
     gpu_tokens: int = 64
     gpu_channels: int = 1024
     gpu_num_warps: int = 4
+    gpu_num_stages: int = 1
 
 
 def _token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -273,7 +274,9 @@ def causal_conv1d_varlen_gpu(
         kernel,
         grid=(pl.cdiv(num_tokens, bt), dim // bd),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=bs.gpu_num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=bs.gpu_num_warps, num_stages=bs.gpu_num_stages
+        ),
         interpret=interpret,
         name="causal_conv1d_varlen",
     )(seq, start, x, weight, *optional)

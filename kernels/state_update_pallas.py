@@ -10,7 +10,7 @@ on it, which is harmless because nothing reads it.
   while this one computes. ``hb`` heads share one B/C group. x, z, y, B, C move as whole
   rows (``[H, P]``, ``[G, N]``: no padding of small dims in HBM); the per-head scalars
   (processed dt, exp(dt A), D) are read from SMEM.
-* GPU: grid ``(B, H, P / bp)``, one ``[bp, N]`` state tile a program; Triton needs
+* GPU: grid ``(P / bp, H, B)``, one ``[bp, N]`` state tile a program; Triton needs
   power-of-two tiles, so ``bp`` is the largest power of two dividing P (16 for P = 80) and N
   is walked in power-of-two tiles when it is not one.
 """
@@ -258,7 +258,7 @@ def _gpu_kernel(
     *rest,
 ):
     d_ref, z_ref, bias_ref, (y_ref, state_out_ref) = _optional(opts, rest)
-    row, head, pblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pblk, head, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[row]
     group = jax.lax.div(head, heads_per_group)
     p = pl.ds(pl.multiple_of(pblk * bp, bp), bp)
@@ -312,7 +312,8 @@ def selective_state_update_gpu(
     kernel = functools.partial(_gpu_kernel, opts, bp, bn, num_heads // num_groups)
     y, new_state = pl.pallas_call(
         kernel,
-        grid=(rows, num_heads, head_dim // bp),
+        # P blocks vary fastest: neighbouring programs stream one slot's contiguous state.
+        grid=(head_dim // bp, num_heads, rows),
         out_shape=[
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),

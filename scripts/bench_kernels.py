@@ -22,6 +22,7 @@ for ``sglang.kernels.jit.utils.is_arch_support_pdl``) and put it on ``PYTHONPATH
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -33,16 +34,20 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 try:
-    from jaxmamba.kernels import (  # noqa: E402
+    from jaxmamba.kernels import (  # noqa: E402  # noqa: E402
         causal_conv1d_update,
         causal_conv1d_varlen,
+        conv1d_pallas,
         selective_state_update,
+        state_update_pallas,
     )
 except ImportError:  # not installed (the GPU machine): the repo root is on sys.path
     from kernels import (  # noqa: E402
         causal_conv1d_update,
         causal_conv1d_varlen,
+        conv1d_pallas,
         selective_state_update,
+        state_update_pallas,
     )
 
 H, P, G, N, DIM, K = 128, 80, 8, 128, 12288, 4
@@ -141,7 +146,8 @@ def report(case, ours, xla, sgl, nbytes):
 # --------------------------------------------------------------------------- state update
 
 
-def bench_state_update(rows: int, steps: int, reps: int, rng):
+def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None):
+    variants = variants or {}
     slots_total = 256 if rows <= 32 else 2 * rows  # real slots; the pool has one more (pad)
     pool = slots_total + 1
     state = rng.standard_normal((pool, H, P, N), np.float32) * 0.5
@@ -159,16 +165,16 @@ def bench_state_update(rows: int, steps: int, reps: int, rng):
     ja, jd, jbias = (jnp.asarray(v) for v in (a, d, dt_bias))
     jslots = jnp.asarray(slot_sets)
 
-    def steps_fn(impl):
+    def steps_fn(impl, op=None):
+        op = op or functools.partial(selective_state_update, impl=impl)
+
         def run(state, xs, dts, bs, cs, slot_sets):
             def body(state, inp):
                 x, dt, b, c, slots = inp
-                y, state = selective_state_update(
-                    state, x, dt, ja, b, c, slots, D=jd, dt_bias=jbias, impl=impl
-                )
+                y, state = op(state, x, dt, ja, b, c, slots, D=jd, dt_bias=jbias)
                 return state, y
 
-            return jax.lax.scan(body, state, (xs, dts, bs, cs, slot_sets))
+            return jax.lax.scan(body, state, (xs, dts, bs, cs, slot_sets), unroll=True)
 
         return jax.jit(run, donate_argnums=0)
 
@@ -191,6 +197,11 @@ def bench_state_update(rows: int, steps: int, reps: int, rng):
 
     ours = timed("ours", ours_fn)
     xla = timed("ref", ref_fn)
+    nbytes = 2 * rows * H * P * N * 4 + rows * (2 * H * P + H + 2 * G * N) * 2
+    for name, op in variants.items():
+        holder[name] = jnp.asarray(state)
+        t = timed(name, steps_fn(None, op))
+        print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
     holder.clear()
 
     sgl = None
@@ -219,14 +230,14 @@ def bench_state_update(rows: int, steps: int, reps: int, rng):
         sgl = torch_time(replay, reps) / steps
         del tstate
 
-    nbytes = 2 * rows * H * P * N * 4 + rows * (2 * H * P + H + 2 * G * N) * 2
     report(f"state update bs {rows}", ours, xla, sgl, nbytes)
 
 
 # --------------------------------------------------------------------------- conv
 
 
-def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng):
+def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng, variants=None):
+    variants = variants or {}
     tokens = num_seqs * seqlen
     xs = [rng.standard_normal((tokens, DIM), np.float32) for _ in range(2)]
     w = rng.standard_normal((K, DIM), np.float32) * 0.5
@@ -239,10 +250,9 @@ def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng):
     jw, jb, jinit = jnp.asarray(w, ACT), jnp.asarray(bias, ACT), jnp.asarray(init, ACT)
     jcu = jnp.asarray(cu)
 
-    def fn(impl):
-        return jax.jit(
-            lambda x: causal_conv1d_varlen(x, jw, jb, jcu, initial_states=jinit, impl=impl)[:2]
-        )
+    def fn(impl, op=None):
+        op = op or functools.partial(causal_conv1d_varlen, impl=impl)
+        return jax.jit(lambda x: op(x, jw, jb, jcu, initial_states=jinit)[:2])
 
     ours_fn, ref_fn = fn(IMPL), fn("ref")
     out, ref = ours_fn(jxs[0]), ref_fn(jxs[0])
@@ -257,6 +267,10 @@ def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng):
         return median_time(call, reps) / n
 
     ours, xla = timed(ours_fn), timed(ref_fn)
+    nbytes = 2 * tokens * DIM * 2 + num_seqs * 2 * (K - 1) * DIM * 2 + (K + 1) * DIM * 2
+    for name, op in variants.items():
+        t = timed(fn(None, op))
+        print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
 
     sgl = None
     if HAVE_SGL:
@@ -286,11 +300,11 @@ def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng):
 
         sgl = torch_time(run, reps) / 10
 
-    nbytes = 2 * tokens * DIM * 2 + num_seqs * 2 * (K - 1) * DIM * 2 + (K + 1) * DIM * 2
     report(f"conv prefill {num_seqs}x{seqlen}", ours, xla, sgl, nbytes)
 
 
-def bench_conv_update(rows: int, steps: int, reps: int, rng):
+def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None):
+    variants = variants or {}
     slots_total = max(1024, 2 * rows)
     pool = rng.standard_normal((slots_total + 1, K - 1, DIM), np.float32)
     x = rng.standard_normal((steps, rows, DIM), np.float32)
@@ -301,14 +315,16 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng):
     jx, jw, jb = jnp.asarray(x, ACT), jnp.asarray(w, ACT), jnp.asarray(bias, ACT)
     jslots = jnp.asarray(slot_sets)
 
-    def steps_fn(impl):
+    def steps_fn(impl, op=None):
+        op = op or functools.partial(causal_conv1d_update, impl=impl)
+
         def run(pool, xs, slot_sets):
             def body(pool, inp):
                 x, slots = inp
-                y, pool = causal_conv1d_update(pool, x, jw, jb, slots, impl=impl)
+                y, pool = op(pool, x, jw, jb, slots)
                 return pool, y
 
-            return jax.lax.scan(body, pool, (xs, slot_sets))
+            return jax.lax.scan(body, pool, (xs, slot_sets), unroll=True)
 
         return jax.jit(run, donate_argnums=0)
 
@@ -329,6 +345,11 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng):
         return median_time(call, reps) / steps
 
     ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
+    nbytes = rows * (2 * (K - 1) * DIM * 2 + 2 * DIM * 2) + (K + 1) * DIM * 2
+    for name, op in variants.items():
+        holder[name] = jnp.asarray(pool, ACT)
+        t = timed(name, steps_fn(None, op))
+        print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
 
     sgl = None
     if HAVE_SGL:
@@ -352,8 +373,46 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng):
         replay = graph_of(lambda: [sgl_step(i) for i in range(steps)])
         sgl = torch_time(replay, reps) / steps
 
-    nbytes = rows * (2 * (K - 1) * DIM * 2 + 2 * DIM * 2) + (K + 1) * DIM * 2
     report(f"conv update bs {rows}", ours, xla, sgl, nbytes)
+
+
+def ssu_variants(smoke: bool):
+    sizes = [(16, 4), (16, 2), (8, 1), (8, 2), (8, 4), (16, 8)]
+    return {
+        f"bp{bp} w{w}": functools.partial(
+            state_update_pallas.selective_state_update_gpu,
+            interpret=smoke,
+            block_sizes=state_update_pallas.GpuBlockSizes(head_dim=bp, num_warps=w),
+        )
+        for bp, w in sizes
+    }
+
+
+def conv_prefill_variants(smoke: bool):
+    sizes = [(64, 1024, 4, 1), (64, 1024, 4, 3), (32, 1024, 4, 3), (128, 1024, 4, 3)]
+    sizes += [(64, 512, 4, 3), (64, 2048, 8, 3), (32, 512, 2, 4)]
+    return {
+        f"bt{bt} bd{bd} w{w} s{st}": functools.partial(
+            conv1d_pallas.causal_conv1d_varlen_gpu,
+            interpret=smoke,
+            block_sizes=conv1d_pallas.ConvVarlenBlockSizes(
+                gpu_tokens=bt, gpu_channels=bd, gpu_num_warps=w, gpu_num_stages=st
+            ),
+        )
+        for bt, bd, w, st in sizes
+    }
+
+
+def conv_update_variants(smoke: bool):
+    sizes = [(256, 2), (128, 1), (512, 4), (1024, 4), (2048, 8)]
+    return {
+        f"bd{bd} w{w}": functools.partial(
+            conv1d_pallas.causal_conv1d_update_gpu,
+            interpret=smoke,
+            block_sizes=conv1d_pallas.ConvUpdateBlockSizes(gpu_channels=bd, gpu_num_warps=w),
+        )
+        for bd, w in sizes
+    }
 
 
 def main():
@@ -363,6 +422,7 @@ def main():
         "--cases", default="ssu,conv_prefill,conv_update", help="comma-separated subset"
     )
     parser.add_argument("--smoke", action="store_true", help="toy shapes, interpret mode")
+    parser.add_argument("--sweep", action="store_true", help="also time GPU block-size variants")
     args = parser.parse_args()
     if args.smoke:
         global H, P, G, N, DIM, IMPL
@@ -373,14 +433,22 @@ def main():
     cases = args.cases.split(",")
     if "ssu" in cases:
         for rows, steps in ((1, 256), (8, 32), (32, 8), (256, 4))[: 1 if args.smoke else 4]:
-            bench_state_update(rows, 2 if args.smoke else steps, args.reps, rng)
+            variants = (
+                ssu_variants(args.smoke)
+                if args.sweep and (rows in (8, 256) or args.smoke)
+                else None
+            )
+            bench_state_update(rows, 2 if args.smoke else steps, args.reps, rng, variants)
     if "conv_prefill" in cases:
-        bench_conv_prefill(2, 64, args.reps, rng) if args.smoke else bench_conv_prefill(
-            8, 2048, args.reps, rng
-        )
+        variants = conv_prefill_variants(args.smoke) if args.sweep else None
+        if args.smoke:
+            bench_conv_prefill(2, 64, args.reps, rng, variants)
+        else:
+            bench_conv_prefill(8, 2048, args.reps, rng, variants)
     if "conv_update" in cases:
         for rows, steps in ((1, 256), (256, 16))[: 1 if args.smoke else 2]:
-            bench_conv_update(rows, 2 if args.smoke else steps, args.reps, rng)
+            variants = conv_update_variants(args.smoke) if args.sweep else None
+            bench_conv_update(rows, 2 if args.smoke else steps, args.reps, rng, variants)
     print("\n| case | ours (us) | XLA ref (us) | SGLang (us) | SGLang/ours | roofline (us) | % |")
     print("|---|---|---|---|---|---|---|")
     for case, ours, xla, sgl, roof in ROWS:

@@ -1,0 +1,145 @@
+"""Pallas causal conv1d kernels (TPU and GPU, interpret mode on CPU) against the references
+and a float64 numpy direct convolution."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmamba.kernels import (
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+    causal_conv1d_varlen,
+    causal_conv1d_varlen_ref,
+)
+from jaxmamba.kernels.conv1d_pallas import (
+    ConvVarlenBlockSizes,
+    causal_conv1d_update_gpu,
+    causal_conv1d_varlen_gpu,
+    causal_conv1d_varlen_tpu,
+)
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# Small tiles, so the sweep crosses tile boundaries (sequence starts in the middle of a tile,
+# K-1 halo rows from the previous tile) without many interpret-mode grid steps.
+SMALL = ConvVarlenBlockSizes(tpu_tokens=16, tpu_channels=128, gpu_tokens=8, gpu_channels=64)
+VARLEN = {
+    "tpu": functools.partial(causal_conv1d_varlen_tpu, interpret=True, block_sizes=SMALL),
+    "gpu": functools.partial(causal_conv1d_varlen_gpu, interpret=True, block_sizes=SMALL),
+}
+UPDATE = {
+    "tpu": functools.partial(causal_conv1d_update, impl="interpret"),
+    "gpu": functools.partial(causal_conv1d_update_gpu, interpret=True),
+}
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _numpy_varlen(x, weight, bias, cu, init, track_ends):
+    x, weight, bias = (np.asarray(a, np.float64) for a in (x, weight, bias))
+    width = weight.shape[0]
+    y = np.full(x.shape, np.nan)
+    finals, tracked = [], []
+    for s in range(len(cu) - 1):
+        start, end = cu[s], cu[s + 1]
+        prev = np.zeros((width - 1, x.shape[1])) if init is None else np.asarray(init[s], float)
+        inp = np.concatenate([prev, x[start:end]])
+        for r in range(end - start):
+            y[start + r] = _silu((inp[r : r + width] * weight).sum(0) + bias)
+        finals.append(inp[end - start : end - start + width - 1])
+        tracked.append(inp[track_ends[s] : track_ends[s] + width - 1])
+    return y, np.stack(finals), np.stack(tracked)
+
+
+@pytest.mark.parametrize("kernel", sorted(VARLEN))
+@pytest.mark.parametrize(
+    "lengths,dim,width,dtype,with_init",
+    [
+        ([1, 7, 0, 8, 9, 21, 3], 128, 4, jnp.float32, True),
+        ([5, 0, 18, 2], 192, 4, jnp.bfloat16, False),
+        ([11, 1, 6], 64, 3, jnp.bfloat16, True),
+    ],
+)
+def test_conv_varlen_kernel_matches_reference_and_numpy(
+    kernel, lengths, dim, width, dtype, with_init
+):
+    rng = np.random.default_rng(sum(lengths) + dim)
+    real = sum(lengths)
+    num_tokens = real + 5  # padding tokens, poisoned: they must never reach a real output
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    x[real:] = np.nan
+    x = jnp.asarray(x, dtype)
+    weight = jnp.asarray(rng.standard_normal((width, dim)) / np.sqrt(width), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+    init = rng.standard_normal((len(lengths), width - 1, dim)).astype(np.float32)
+    init = jnp.asarray(init, dtype) if with_init else None
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    track_ends = np.array([rng.integers(0, n + 1) for n in lengths], np.int32)
+
+    args = (x, weight, bias, jnp.asarray(cu))
+    kw = dict(initial_states=init, track_ends=jnp.asarray(track_ends))
+    y, final, tracked = VARLEN[kernel](*args, **kw)
+    y_ref, final_ref, tracked_ref = causal_conv1d_varlen_ref(*args, **kw)
+    y_np, final_np, tracked_np = _numpy_varlen(x, weight, bias, cu, init, track_ends)
+
+    tol = TOL[dtype]
+    y = np.asarray(y, np.float32)[:real]
+    np.testing.assert_allclose(y, np.asarray(y_ref, np.float32)[:real], rtol=tol, atol=tol)
+    np.testing.assert_allclose(y, y_np[:real], rtol=tol, atol=tol)
+    for ours, ref, ref_np in ((final, final_ref, final_np), (tracked, tracked_ref, tracked_np)):
+        assert ours.dtype == ref.dtype
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
+        np.testing.assert_allclose(np.asarray(ours, np.float32), ref_np, rtol=tol, atol=tol)
+
+
+def test_conv_varlen_dispatch_runs_tpu_kernel_in_interpret_mode():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((12, 128)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    cu = jnp.asarray([0, 5, 12], jnp.int32)
+    ours = causal_conv1d_varlen(x, weight, None, cu, impl="interpret")
+    ref = causal_conv1d_varlen_ref(x, weight, None, cu)
+    np.testing.assert_allclose(ours[0], ref[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ours[1], ref[1])
+
+
+@pytest.mark.parametrize("kernel", sorted(UPDATE))
+@pytest.mark.parametrize(
+    "rows,dim,width,dtype,state_dtype",
+    [(5, 256, 4, jnp.bfloat16, jnp.bfloat16), (3, 96, 4, jnp.float32, jnp.float32)],
+)
+def test_conv_update_kernel_matches_reference_and_numpy(
+    kernel, rows, dim, width, dtype, state_dtype
+):
+    rng = np.random.default_rng(rows + dim)
+    num_slots = 2 * rows
+    slots = rng.permutation(num_slots)[:rows].astype(np.int32)
+    slots[-2:] = num_slots  # two pad rows share the pad slot
+    real = slots != num_slots
+    pool = rng.standard_normal((num_slots + 1, width - 1, dim)).astype(np.float32)
+    pool[-1] = np.nan
+    pool = jnp.asarray(pool, state_dtype)
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    x[~real] = np.nan
+    x = jnp.asarray(x, dtype)
+    weight = jnp.asarray(rng.standard_normal((width, dim)) / np.sqrt(width), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+
+    args = (pool, x, weight, bias, jnp.asarray(slots))
+    y, new_pool = UPDATE[kernel](*args)
+    y_ref, pool_ref = causal_conv1d_update_ref(*args)
+
+    window = np.concatenate(
+        [np.asarray(pool, np.float64)[slots[real]], np.asarray(x, np.float64)[real][:, None]], 1
+    )
+    y_np = _silu((window * np.asarray(weight, np.float64)).sum(1) + np.asarray(bias, np.float64))
+    tol = TOL[dtype]
+    y = np.asarray(y, np.float32)
+    np.testing.assert_allclose(y[real], np.asarray(y_ref, np.float32)[real], rtol=tol, atol=tol)
+    np.testing.assert_allclose(y[real], y_np, rtol=tol, atol=tol)
+    new_pool, pool_ref = np.asarray(new_pool, np.float32), np.asarray(pool_ref, np.float32)
+    np.testing.assert_array_equal(new_pool[:-1], pool_ref[:-1])
+    np.testing.assert_array_equal(new_pool[slots[real]], window[:, 1:].astype(np.float32))
