@@ -1,0 +1,118 @@
+"""``jax.export`` of every Pallas kernel, and of the whole prefill and decode steps of the
+built-in model, for TPU and CUDA — on a CPU machine.
+
+The kernel choice is made at trace time, so a model exported for another platform than the
+tracing machine names it: ``impl="auto_tpu"`` / ``"auto_gpu"`` (that platform's kernels where
+an op has one, the reference elsewhere); single kernels use ``"pallas_tpu"`` / ``"pallas_gpu"``
+(see ``kernels/dispatch.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmamba import ModelConfig
+from jaxmamba.engine.batch import Bucket
+from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update
+from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.params import init_params
+
+from model_helpers import MAX_PAGES, PAGE_SIZE, builder, row
+
+PLATFORMS = {"tpu": "tpu", "cuda": "gpu"}  # jax.export platform -> impl suffix
+MARKERS = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+# Triton custom calls carry no serialization-compatibility guarantee; we export anyway.
+DISABLED = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def _export(fn, platform, *args, **kwargs):
+    return jax.export.export(fn, platforms=(platform,), disabled_checks=DISABLED)(*args, **kwargs)
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# Each kernel case: (name, fn(impl) -> jittable, arg specs, donated arg numbers).
+# Nemotron-Nano-9B-v2 Mamba shapes. The SSD scan's kernels go in this list too (ssd_varlen).
+H, P, G, N, D, K, ROWS, SLOTS, T, S = 128, 80, 8, 128, 12288, 4, 8, 17, 512, 4
+KERNEL_CASES = [
+    (
+        "selective_state_update",
+        lambda impl: (
+            lambda st, x, dt, a, b, c, s, d, bias: selective_state_update(
+                st, x, dt, a, b, c, s, D=d, dt_bias=bias, impl=impl
+            )
+        ),
+        [_spec((SLOTS, H, P, N), jnp.float32), _spec((ROWS, H, P)), _spec((ROWS, H))]
+        + [_spec((H,), jnp.float32), _spec((ROWS, G, N)), _spec((ROWS, G, N))]
+        + [_spec((ROWS,), jnp.int32), _spec((H,), jnp.float32), _spec((H,), jnp.float32)],
+        (0,),
+    ),
+    (
+        "causal_conv1d_update",
+        lambda impl: lambda st, x, w, b, s: causal_conv1d_update(st, x, w, b, s, impl=impl),
+        [_spec((SLOTS, K - 1, D)), _spec((ROWS, D)), _spec((K, D)), _spec((D,))]
+        + [_spec((ROWS,), jnp.int32)],
+        (0,),
+    ),
+    (
+        "causal_conv1d_varlen",
+        lambda impl: (
+            lambda x, w, b, cu, init, te: causal_conv1d_varlen(
+                x, w, b, cu, initial_states=init, track_ends=te, impl=impl
+            )
+        ),
+        [_spec((T, D)), _spec((K, D)), _spec((D,)), _spec((S + 1,), jnp.int32)]
+        + [_spec((S, K - 1, D)), _spec((S,), jnp.int32)],
+        (),
+    ),
+]
+
+
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_kernel_exports_for_platform(case, platform):
+    _, make, specs, donate = case
+    fn = jax.jit(make(f"pallas_{PLATFORMS[platform]}"), donate_argnums=donate)
+    exported = _export(fn, platform, *specs)
+    module = exported.mlir_module()
+    assert MARKERS[platform] in module
+    if donate:  # the state pool is updated in place: the kernel aliases it to its output
+        assert "output_operand_aliases" in module
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    return cfg, init_params(cfg, seed=0)
+
+
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_model_step_exports_with_platform_kernels(tiny, platform, step):
+    cfg, params = tiny
+    spec = CacheSpec(num_slots=4, num_pages=4 * MAX_PAGES, page_size=PAGE_SIZE)
+    impl = f"auto_{PLATFORMS[platform]}"
+    runner = ModelRunner(cfg, params, spec, dtype=jnp.bfloat16, impl=impl)
+    rng = np.random.default_rng(0)
+    if step == "prefill":
+        rows = [row(rng.integers(0, 256, n).tolist(), 0, slot=i) for i, n in enumerate((13, 6))]
+        bucket, num_decode = Bucket(32, 2, 0), 0
+    else:
+        rows = [row([int(rng.integers(0, 256))], 9, slot=i) for i in range(2)]
+        bucket, num_decode = Bucket(4, 4, 4), 4
+    inputs = builder(runner).build(rows, bucket)
+    exported = _export(
+        runner._step, platform, params, runner.cache, runner.last_tokens, inputs,
+        num_decode=num_decode,
+    )  # fmt: skip
+    module = exported.mlir_module()
+    # Every Mamba layer calls its conv kernel, and in decode its state-update kernel too.
+    per_layer = 1 if step == "prefill" else 2
+    assert module.count(MARKERS[platform]) >= per_layer * cfg.num_mamba_layers
+    assert exported.platforms == (platform,)
