@@ -8,7 +8,7 @@ rows starting at the chunk's first token, so there is no regrouping pass and no 
 copy. Triton needs power-of-two blocks: N is padded to a power of two and P to a multiple of
 ``block_p`` inside the kernel (masked loads/stores), never in memory.
 
-Why the Triton lowering and not Mosaic GPU: see docs in ``scripts/bench_ssd.py``'s header.
+Why the Triton lowering and not Mosaic GPU: see ``scripts/bench_ssd.py``'s docstring.
 
 Notation: T tokens, H heads, P head dim, G groups, N state, S sequences, C chunk, NC chunks.
 """
@@ -30,8 +30,10 @@ from .ssd_pallas import chunk_meta, chunk_update, gather_tracked
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    block_p: int = 32  # head-dim rows per program (power of two)
-    num_warps: int = 4
+    # H200, 1x8192 (scripts/bench_ssd.py --sweep): 64/8/2 2.68 ms, 32/8/2 4.63 ms,
+    # 16/4/2 9.26 ms, 32/4/2 10.1 ms, 32/4/3 10.1 ms (4 warps spill the [C, C] tiles).
+    block_p: int = 64  # head-dim rows per program (power of two)
+    num_warps: int = 8
     num_stages: int = 2
 
     @classmethod
