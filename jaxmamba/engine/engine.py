@@ -27,7 +27,9 @@ class EngineStats:
     decode_tokens: int = 0
     finished_requests: int = 0
     device_reads: int = 0
-    step_kinds: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill": 0, "mixed": 0})
+    step_kinds: dict[str, int] = field(
+        default_factory=lambda: {"decode": 0, "prefill": 0, "mixed": 0}
+    )
 
 
 class LLMEngine:
@@ -79,7 +81,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         dispatched = None
         if scheduled is not None:
-            inputs = self.builder.build(scheduled.specs, scheduled.bucket, scheduled.num_decode_rows)
+            inputs = self.builder.build(
+                scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
+            )
             dispatched = (scheduled, self.runner.step(inputs, scheduled.bucket.num_decode))
             self._count(scheduled)
         finished = []
@@ -115,6 +119,7 @@ class LLMEngine:
                 self.scheduler.record_checkpoint(req, row.track_len, track_slot)
             if not row.samples:
                 continue
+            i = step.output_row(i)
             token = int(sampled.tokens[i])
             req.output_token_ids.append(token)
             req.cumulative_logprob += float(sampled.logprobs[i])
@@ -122,7 +127,9 @@ class LLMEngine:
                 req.first_token_time = now
             k = req.params.logprobs
             if k is not None:
-                top = dict(zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist()))
+                top = dict(
+                    zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())
+                )
                 top[token] = float(sampled.logprobs[i])
                 req.output_logprobs.append(top)
             req.finish_reason = self._finish_reason(req, token)

@@ -40,7 +40,9 @@ class Match:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, page_size: int, slots: BlockAllocator, pages: BlockAllocator):
+    def __init__(
+        self, block_size: int, page_size: int, slots: BlockAllocator, pages: BlockAllocator
+    ):
         if block_size % page_size:
             raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
         self.block_size = block_size
@@ -105,8 +107,12 @@ class PrefixCache:
         for i, key in enumerate(self._blocks(tokens, length)):
             child = node.children.get(key)
             if child is None:
-                block_pages = request_pages[i * self.pages_per_block : (i + 1) * self.pages_per_block]
-                child = Node(parent=node, key=key, depth=node.depth + self.block_size, pages=block_pages)
+                block_pages = request_pages[
+                    i * self.pages_per_block : (i + 1) * self.pages_per_block
+                ]
+                child = Node(
+                    parent=node, key=key, depth=node.depth + self.block_size, pages=block_pages
+                )
                 node.children[key] = child
                 created.append(child)
                 taken.update(block_pages)

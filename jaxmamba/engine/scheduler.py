@@ -73,13 +73,21 @@ class ScheduledStep:
     def specs(self) -> list[RowSpec]:
         return [r.spec for r in self.rows]
 
+    def output_row(self, i: int) -> int:
+        """Row of the step's output for `rows[i]`: filler decode rows pad the decode block."""
+        if i < self.num_decode_rows:
+            return i
+        return i + self.bucket.num_decode - self.num_decode_rows
+
 
 class Scheduler:
     def __init__(self, model_cfg: ModelConfig, config: EngineConfig):
         self.model_cfg = model_cfg
         self.config = config
         if config.max_num_seqs > config.state_slots:
-            raise ValueError(f"num_state_slots {config.state_slots} < max_num_seqs {config.max_num_seqs}")
+            raise ValueError(
+                f"num_state_slots {config.state_slots} < max_num_seqs {config.max_num_seqs}"
+            )
         if config.pages < config.max_pages_per_seq:
             raise ValueError(f"num_pages {config.pages} cannot hold one max_model_len sequence")
         self.slots = BlockAllocator(config.state_slots, "state slot")
@@ -92,7 +100,9 @@ class Scheduler:
                     f"track_interval {config.track_interval} must be a multiple of "
                     f"lcm(chunk_size, page_size) = {self.block_size}"
                 )
-            self.prefix_cache = PrefixCache(self.block_size, config.page_size, self.slots, self.pages)
+            self.prefix_cache = PrefixCache(
+                self.block_size, config.page_size, self.slots, self.pages
+            )
         self.decode_buckets = pow2_buckets(config.max_num_seqs)
         self.prefill_row_buckets = pow2_buckets(min(config.max_prefill_seqs, config.max_num_seqs))
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, start=16)

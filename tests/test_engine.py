@@ -1,0 +1,176 @@
+"""The serving engine: continuous batching, chunked prefill, mixed steps, prefix caching."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba.model.params import init_params
+
+from hf_fixtures import make_nemotron_h_checkpoint
+
+TINY = "nemotron-h-tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return init_params(ModelConfig.from_preset(TINY), seed=0)
+
+
+def tiny_llm(params, **kw):
+    kw = {"max_num_seqs": 4, "max_model_len": 160, "max_num_batched_tokens": 64, **kw}
+    return LLM(TINY, params=params, **kw)
+
+
+def greedy(n=6):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def prompts_of(lengths, seed=0, vocab=256):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def assert_nothing_leaks(llm):
+    scheduler = llm.engine.scheduler
+    assert not scheduler.running and not scheduler.waiting
+    llm.reset_prefix_cache()
+    assert scheduler.slots.num_free == scheduler.slots.capacity
+    assert scheduler.pages.num_free == scheduler.pages.capacity
+    if scheduler.prefix_cache is not None:
+        assert scheduler.prefix_cache.num_nodes == 0
+
+
+@pytest.fixture(scope="module", params=["tiny", "hf"])
+def model_and_params(request, tmp_path_factory, tiny_params):
+    if request.param == "tiny":
+        return TINY, tiny_params
+    path, _ = make_nemotron_h_checkpoint(tmp_path_factory.mktemp("hf"), pattern="M*-M-", seed=5)
+    return str(path), None
+
+
+def test_32_requests_through_4_rows_match_each_request_alone(model_and_params):
+    model, params = model_and_params
+    kw = dict(max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64, params=params)
+    llm = LLM(model, **kw)
+    vocab = min(llm.model_cfg.vocab_size, 256)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 90, size=32)
+    prompts = prompts_of(lengths, seed=1, vocab=vocab)
+    sps = [greedy(int(n)) for n in rng.integers(1, 9, size=32)]
+    together = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=sps))
+    stats = llm.stats()
+    assert stats["mixed_steps"] > 0 and stats["decode_steps"] > 0  # continuous batching mixed
+    assert stats["device_reads"] == stats["steps"]  # one device→host read per step
+    alone_llm = LLM(model, **{**kw, "max_num_seqs": 1, "enable_prefix_caching": False})
+    for prompt, sp, got in zip(prompts, sps, together, strict=True):
+        (alone,) = alone_llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+        assert got == alone.outputs[0].token_ids
+    assert_nothing_leaks(llm)
+
+
+def test_chunked_prefill_matches_unchunked(tiny_params):
+    prompts = prompts_of([150, 77, 16, 130], seed=2)
+    small = tiny_llm(tiny_params, max_num_batched_tokens=16)
+    big = tiny_llm(tiny_params, max_num_batched_tokens=256, max_model_len=256)
+    a = token_ids(small.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
+    b = token_ids(big.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
+    assert a == b
+    assert small.stats()["steps"] > big.stats()["steps"]
+
+
+def test_prefix_cache_hit_reuses_checkpoint_and_matches_cache_off(tiny_params):
+    block = 16  # lcm(chunk_size 16, page_size 16) of the tiny preset
+    (base,) = prompts_of([70], seed=3)
+    extended = base + prompts_of([25], seed=4)[0]
+    on = tiny_llm(tiny_params, track_interval=32)
+    off = tiny_llm(tiny_params, enable_prefix_caching=False)
+    first = on.generate(prompt_token_ids=[base], sampling_params=greedy(30))[0]
+    assert first.num_cached_tokens == 0
+    # The prefill checkpointed at 64 (last block multiple of the 70-token prompt); decode
+    # crossed 96 (a multiple of track_interval) before the prompt was extended... but the
+    # extension diverges at 70, so 64 is the longest usable checkpoint.
+    second = on.generate(prompt_token_ids=[extended], sampling_params=greedy(8))[0]
+    assert second.num_cached_tokens == 64 == (len(base) // block) * block
+    # Continuing the first request's own output reuses a decode-time checkpoint (at 96).
+    continued = base + first.outputs[0].token_ids + [7]
+    third = on.generate(prompt_token_ids=[continued], sampling_params=greedy(8))[0]
+    assert third.num_cached_tokens == 96
+    for prompt, out in ((extended, second), (continued, third)):
+        ref = off.generate(prompt_token_ids=[prompt], sampling_params=greedy(8))[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert on.stats()["prefix_cache_hit_rate"] > 0
+    assert_nothing_leaks(on)
+
+
+def test_shared_prefix_workload_under_eviction_pressure_returns_everything(tiny_params):
+    llm = tiny_llm(tiny_params, num_state_slots=6, num_pages=44, track_interval=32)
+    system = prompts_of([48], seed=5)[0]
+    prompts = [system + p for p in prompts_of([5, 40, 17, 33, 2, 60, 9, 21], seed=6)]
+    prompts += prompts_of([70, 3, 90], seed=7)  # unrelated ones push the cache out
+    off = tiny_llm(tiny_params, enable_prefix_caching=False)
+    for _ in range(2):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(10))
+        refs = off.generate(prompt_token_ids=prompts, sampling_params=greedy(10))
+        assert token_ids(outs) == token_ids(refs)
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    scheduler = llm.engine.scheduler
+    cache = scheduler.prefix_cache
+    held_slots = sum(1 for _ in _nodes_with_slots(cache.root))
+    assert scheduler.slots.num_free + held_slots == scheduler.slots.capacity
+    assert_nothing_leaks(llm)
+
+
+def _nodes_with_slots(node):
+    for child in node.children.values():
+        if child.slot is not None:
+            yield child
+        yield from _nodes_with_slots(child)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_params):
+    llm = tiny_llm(tiny_params)
+    prompts = prompts_of([12, 40, 3], seed=8)
+    sps = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True)
+           for s in (11, 12, 13)]  # fmt: skip
+    together = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=sps))
+    alone = [token_ids(llm.generate(prompt_token_ids=[p], sampling_params=sp))[0]
+             for p, sp in zip(prompts, sps, strict=True)]  # fmt: skip
+    assert together == alone
+    other = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    assert (
+        token_ids(llm.generate(prompt_token_ids=[prompts[0]], sampling_params=other))[0]
+        != (together[0])
+    )
+
+
+def test_generation_under_transfer_guard_compiles_nothing_after_precompile(tiny_params):
+    llm = tiny_llm(tiny_params, max_num_seqs=2, max_num_batched_tokens=32, precompile=True)
+    compiled = llm.stats()["compilations"]
+    assert compiled == len(llm.engine.scheduler.all_buckets())
+    rng = np.random.default_rng(9)
+    with jax.transfer_guard("disallow"):
+        for round_ in range(3):
+            lengths = rng.integers(1, 100, size=int(rng.integers(1, 6)))
+            sps = [SamplingParams(max_tokens=int(m), temperature=float(t), seed=round_)
+                   for m, t in zip(rng.integers(1, 12, len(lengths)), rng.uniform(0, 1.5, len(lengths)))]  # fmt: skip
+            llm.generate(prompt_token_ids=prompts_of(lengths, seed=round_), sampling_params=sps)
+    assert llm.stats()["compilations"] == compiled
+    assert llm.stats()["mixed_steps"] > 0
+
+
+def test_request_stats_and_engine_counters(tiny_params):
+    llm = tiny_llm(tiny_params)
+    outs = llm.generate(prompt_token_ids=prompts_of([20, 30], seed=10), sampling_params=greedy(5))
+    for out in outs:
+        assert out.metrics["ttft_s"] > 0 and out.metrics["decode_s_per_token"] > 0
+        assert out.metrics["e2e_s"] >= out.metrics["ttft_s"]
+    stats = llm.stats()
+    assert stats["prefill_tokens"] == 50 and stats["decode_tokens"] >= 8
+    assert stats["finished_requests"] == 2
