@@ -158,8 +158,12 @@ def test_generation_under_transfer_guard_compiles_nothing_after_precompile(tiny_
     with jax.transfer_guard("disallow"):
         for round_ in range(3):
             lengths = rng.integers(1, 100, size=int(rng.integers(1, 6)))
-            sps = [SamplingParams(max_tokens=int(m), temperature=float(t), seed=round_)
-                   for m, t in zip(rng.integers(1, 12, len(lengths)), rng.uniform(0, 1.5, len(lengths)))]  # fmt: skip
+            max_tokens = rng.integers(1, 12, len(lengths))
+            temperatures = rng.uniform(0, 1.5, len(lengths))
+            sps = [
+                SamplingParams(max_tokens=int(m), temperature=float(t), seed=round_)
+                for m, t in zip(max_tokens, temperatures, strict=True)
+            ]
             llm.generate(prompt_token_ids=prompts_of(lengths, seed=round_), sampling_params=sps)
     assert llm.stats()["compilations"] == compiled
     assert llm.stats()["mixed_steps"] > 0

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxmamba.kernels import paged_attention, write_kv
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxmamba.kernels import build_chunk_layout, num_chunks, ssd_varlen
 
 TOL = {jnp.float32: 2e-4, jnp.bfloat16: 3e-2}

@@ -8,11 +8,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import make_mamba2_checkpoint, make_nemotron_h_checkpoint
 from safetensors.torch import load_file, save_file
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.loader import load_hf_checkpoint, param_shapes, save_hf_checkpoint
+
+from hf_fixtures import make_mamba2_checkpoint, make_nemotron_h_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,11 @@ import dataclasses
 import random
 
 import pytest
-from hf_fixtures import write_tokenizer
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+from hf_fixtures import write_tokenizer
 
 TEXT = "hello jax, the state space model keeps a state"
 

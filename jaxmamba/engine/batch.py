@@ -127,8 +127,8 @@ class StepBuilder:
         qsl[1 : len(rows) + 1] = np.cumsum([len(row.tokens) for row in rows])
         qsl[len(rows) + 1 :] = offset
         return StepInputs(
-            input_ids, from_device, qsl, prefix_lens, state_slots, init_slots, has_init, track_slots,
-            track_lens, page_table, temperature, top_p, top_k, seeds, counters,
+            input_ids, from_device, qsl, prefix_lens, state_slots, init_slots, has_init,
+            track_slots, track_lens, page_table, temperature, top_p, top_k, seeds, counters,
         )  # fmt: skip
 
     def padding(self, bucket: Bucket) -> StepInputs:

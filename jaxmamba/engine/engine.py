@@ -127,9 +127,8 @@ class LLMEngine:
                 req.first_token_time = now
             k = req.params.logprobs
             if k is not None:
-                top = dict(
-                    zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())
-                )
+                ids, values = sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist()
+                top = dict(zip(ids, values, strict=True))
                 top[token] = float(sampled.logprobs[i])
                 req.output_logprobs.append(top)
             req.finish_reason = self._finish_reason(req, token)

@@ -234,8 +234,9 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         cfg = self.config
         limit = cfg.max_model_len
-        decode = [r for r in self.running
-                  if not r.in_prefill and not r.finished and not r.done_scheduling(limit)]  # fmt: skip
+        decode = [
+            r for r in self.running if not (r.in_prefill or r.finished or r.done_scheduling(limit))
+        ]
         rows = [self._schedule_tokens(r, 1, from_device=True) for r in decode]
         bd = smallest_fitting([0, *self.decode_buckets], len(rows), "decode rows")
         budget = cfg.max_num_batched_tokens - bd

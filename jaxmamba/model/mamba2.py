@@ -137,7 +137,8 @@ class Mamba2Mixer(nn.Module):
             init_conv = jnp.where(has_init[:, None, None], conv_pool[pre.init_slots], 0)
             xbc_p, conv_final, conv_tracked = causal_conv1d_varlen(
                 xbc_p, weight, bias, pre.cu_seqlens,
-                initial_states=init_conv, track_ends=pre.track_ends, activation="silu", impl=self.impl,
+                initial_states=init_conv, track_ends=pre.track_ends, activation="silu",
+                impl=self.impl,
             )  # fmt: skip
             x_p, b_p, c_p = split_xbc(xbc_p)
             init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[pre.init_slots], 0)
