@@ -58,6 +58,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import jax.numpy as jnp
+
+    from jaxmamba.bench import bench_one_batch, format_results
+    from jaxmamba.config import ModelConfig
+    from jaxmamba.llm import DTYPES, load_params
+
+    cfg = ModelConfig.load(args.model)
+    dtype = DTYPES[args.dtype]
+    params = load_params(args.model, cfg, dtype, args.seed)
+    results = []
+    for batch in args.batch_size:
+        for input_len in args.input_len:
+            print(f"bench {cfg.name or args.model}: batch {batch}, input {input_len}, "
+                  f"output {args.output_len}, {jnp.dtype(dtype).name}, impl={args.impl}")  # fmt: skip
+            results += bench_one_batch(
+                cfg, params, batch=batch, input_len=input_len, output_len=args.output_len,
+                dtype=dtype, impl=args.impl,
+            )  # fmt: skip
+    print(format_results(results))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxmamba", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="prefill/decode throughput of one static batch")
+    _add_model_args(bench)
+    bench.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    bench.add_argument("--input-len", type=int, nargs="+", default=[512])
+    bench.add_argument("--output-len", type=int, default=32)
+    bench.add_argument("--impl", default="auto", choices=["auto", "ref", "pallas"])
+    bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -104,7 +104,9 @@ class Scheduler:
                 self.block_size, config.page_size, self.slots, self.pages
             )
         self.decode_buckets = pow2_buckets(config.max_num_seqs)
-        self.prefill_row_buckets = pow2_buckets(min(config.max_prefill_seqs, config.max_num_seqs))
+        # Prefill rows are not bucketed: every prefill/mixed step has `max_prefill_rows` of
+        # them (empty ones cost a few padding chunks), which keeps the bucket count linear.
+        self.max_prefill_rows = min(config.max_prefill_seqs, config.max_num_seqs)
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, start=16)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -114,10 +116,9 @@ class Scheduler:
         """Every bucket a step can use: what `precompile` compiles."""
         buckets = [Bucket(b, b, b) for b in self.decode_buckets]
         for t in self.token_buckets:
-            for bp in self.prefill_row_buckets:
-                for bd in [0, *self.decode_buckets]:
-                    if bd < t:
-                        buckets.append(Bucket(t, bd + bp, bd))
+            for bd in [0, *self.decode_buckets]:
+                if bd < t:
+                    buckets.append(Bucket(t, bd + self.max_prefill_rows, bd))
         return buckets
 
     # -- resources ----------------------------------------------------------------------------
@@ -240,7 +241,7 @@ class Scheduler:
         rows = [self._schedule_tokens(r, 1, from_device=True) for r in decode]
         bd = smallest_fitting([0, *self.decode_buckets], len(rows), "decode rows")
         budget = cfg.max_num_batched_tokens - bd
-        max_prefill = len(self.prefill_row_buckets) and self.prefill_row_buckets[-1]
+        max_prefill = self.max_prefill_rows
         prefill: list[ScheduledRow] = []
         for req in [r for r in self.running if r.in_prefill and not r.finished]:
             if budget <= 0 or len(prefill) >= max_prefill:
@@ -263,9 +264,8 @@ class Scheduler:
         if not prefill:
             b = smallest_fitting(self.decode_buckets, len(rows), "decode rows")
             return ScheduledStep(rows, Bucket(b, b, b), len(rows))
-        bp = smallest_fitting(self.prefill_row_buckets, len(prefill), "prefill rows")
         num_tokens = bd + sum(len(r.spec.tokens) for r in prefill)
         t = smallest_fitting(self.token_buckets, num_tokens, "step tokens")
         if bd >= t:  # keep at least one prefill token slot past the decode block
             t = smallest_fitting(self.token_buckets, bd + 1, "step tokens")
-        return ScheduledStep(rows + prefill, Bucket(t, bd + bp, bd), len(rows))
+        return ScheduledStep(rows + prefill, Bucket(t, bd + max_prefill, bd), len(rows))

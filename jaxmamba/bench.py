@@ -1,0 +1,154 @@
+"""`jaxmamba bench`: prefill and decode throughput of one static batch (like SGLang's
+`bench_one_batch`), with model-FLOP and memory-bandwidth utilisation against the H200's
+measured ceilings (DESIGN §8).
+
+Prefill: one step of `batch × input_len` tokens. Decode: `output_len` steps of `batch`
+rows dispatched back to back (each feeds the token the previous step sampled, on device),
+timed to the last step's completion — how the engine runs them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
+from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.model.cache import CacheSpec
+
+PEAK_BF16_FLOPS = 800e12  # XLA bf16 matmul on the H200, measured (DESIGN §8)
+PEAK_HBM_BYTES = 4.3e12  # D2D copy on the H200, measured (DESIGN §8)
+
+
+def count_params(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def prefill_flops(cfg: ModelConfig, params, batch: int, input_len: int) -> float:
+    """Matmul FLOPs of a prefill: 2·(weights touched per token)·tokens + attention + SSD."""
+    tokens = batch * input_len
+    embed = cfg.vocab_size * cfg.hidden_size
+    dense = count_params(params) - embed * (1 if cfg.tie_word_embeddings else 2)
+    flops = 2.0 * dense * tokens + 2.0 * embed * batch  # lm_head only at each row's last token
+    # causal attention: QKᵀ and PV over on average input_len/2 keys
+    flops += (
+        cfg.num_attention_layers
+        * 4.0
+        * batch
+        * input_len
+        * (input_len / 2)
+        * (cfg.num_attention_heads * cfg.head_dim)
+    )
+    # SSD per token and head: intra-chunk CBᵀ (C·N) and ·x (C·P), state in/out (2·P·N)
+    per_token = cfg.mamba_num_heads * (
+        cfg.chunk_size * (cfg.ssm_state_size + cfg.mamba_head_dim)
+        + 2 * cfg.mamba_head_dim * cfg.ssm_state_size
+    )
+    flops += cfg.num_mamba_layers * 2.0 * tokens * per_token
+    return flops
+
+
+def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, dtype) -> float:
+    """Bytes one decode step must move: every weight once, every row's state read+written, KV."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    act = jnp.dtype(dtype).itemsize
+    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
+    conv = (cfg.conv_kernel - 1) * cfg.conv_dim * act
+    kv = 2 * context * cfg.num_key_value_heads * cfg.head_dim * act
+    per_row = cfg.num_mamba_layers * 2 * (ssm + conv) + cfg.num_attention_layers * kv
+    return weight_bytes + batch * per_row
+
+
+@dataclass
+class BenchResult:
+    phase: str
+    batch: int
+    input_len: int
+    seconds: float
+    tokens_per_s: float
+    utilisation: float  # MFU (prefill) or fraction of HBM roofline (decode)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def bench_one_batch(
+    cfg: ModelConfig,
+    params,
+    *,
+    batch: int,
+    input_len: int,
+    output_len: int,
+    dtype=jnp.bfloat16,
+    page_size: int = 16,
+    impl: str = "auto",
+    repeats: int = 5,
+    log=print,
+) -> list[BenchResult]:
+    max_len = input_len + output_len + 1
+    pages_per_seq = -(-max_len // page_size)
+    spec = CacheSpec(num_slots=batch, num_pages=batch * pages_per_seq, page_size=page_size)
+    runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl)
+    builder = StepBuilder(spec, pages_per_seq, cfg.vocab_size, cfg.chunk_size)
+    rng = np.random.default_rng(0)
+    pages = lambda r: list(range(r * pages_per_seq, (r + 1) * pages_per_seq))  # noqa: E731
+    prefill_rows = [
+        RowSpec(rng.integers(0, cfg.vocab_size, input_len).tolist(), 0, r, pages(r))
+        for r in range(batch)
+    ]
+    prefill = builder.build(prefill_rows, Bucket(batch * input_len, batch, 0))
+
+    def decode_inputs(step):
+        rows = [RowSpec([0], input_len + step, r, pages(r), token_from_device=True)
+                for r in range(batch)]  # fmt: skip
+        return builder.build(rows, Bucket(batch, batch, batch))
+
+    decodes = [decode_inputs(s) for s in range(output_len)]
+    results = []
+    start = time.perf_counter()
+    jax.block_until_ready(runner.step(prefill, 0))
+    log(f"  compiled+ran prefill {batch}x{input_len} in {time.perf_counter() - start:.1f} s")
+    t_prefill = _median_time(lambda: runner.step(prefill, 0), repeats)
+    tokens = batch * input_len
+    mfu = prefill_flops(cfg, params, batch, input_len) / t_prefill / PEAK_BF16_FLOPS
+    results.append(BenchResult("prefill", batch, input_len, t_prefill, tokens / t_prefill, mfu))
+
+    jax.block_until_ready(runner.step(prefill, 0))
+    start = time.perf_counter()
+    jax.block_until_ready(runner.step(decodes[0], batch))
+    log(f"  compiled+ran decode batch {batch} in {time.perf_counter() - start:.1f} s")
+
+    def run_decode():
+        out = None
+        for inputs in decodes:
+            out = runner.step(inputs, batch)
+        return out
+
+    t_decode = _median_time(run_decode, max(1, repeats // 2)) / output_len
+    context = input_len + output_len // 2
+    bw = decode_bytes(cfg, params, batch, context, dtype) / t_decode / PEAK_HBM_BYTES
+    results.append(BenchResult("decode", batch, input_len, t_decode, batch / t_decode, bw))
+    return results
+
+
+def format_results(results: list[BenchResult]) -> str:
+    lines = ["| phase | batch | input len | time per step | tokens/s | utilisation |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        what = "MFU" if r.phase == "prefill" else "of HBM roofline"
+        lines.append(
+            f"| {r.phase} | {r.batch} | {r.input_len} | {r.seconds * 1e3:.2f} ms | "
+            f"{r.tokens_per_s:,.0f} | {r.utilisation:.1%} {what} |"
+        )
+    return "\n".join(lines)

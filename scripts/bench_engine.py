@@ -1,0 +1,113 @@
+"""Whole-model benchmark on an accelerator: `jaxmamba.bench.bench_one_batch` over a sweep,
+one process (the parameters are initialised once), each case guarded so one failure does
+not lose the others; stops starting cases when the time budget runs out.
+
+    python scripts/bench_engine.py --model nemotron-nano-9b-v2 --budget-s 480 \
+        --cases p8x2048 d1 d128 --compare-tokens 8192 --out $OUT/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmamba.bench import BenchResult, bench_one_batch, format_results
+from jaxmamba.config import ModelConfig
+from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
+from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.params import init_params
+
+
+def pallas_vs_ref_logits(cfg, params, num_tokens: int, dtype) -> dict:
+    """One prefill of `num_tokens` through the model with each impl; compare the logits."""
+    spec = CacheSpec(num_slots=1, num_pages=-(-num_tokens // 16), page_size=16)
+    builder = StepBuilder(spec, spec.num_pages, cfg.vocab_size, cfg.chunk_size)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, num_tokens).tolist()
+    inputs = builder.build([RowSpec(tokens, 0, 0, list(range(spec.num_pages)))],
+                           Bucket(num_tokens, 1, 0))  # fmt: skip
+    out = {}
+    for impl in ("ref", "pallas"):
+        runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl)
+        logits = runner.forward_logits(inputs, 0)
+        jax.block_until_ready(logits)
+        start = time.perf_counter()
+        for _ in range(3):
+            runner.cache = jax.tree.map(jnp.zeros_like, runner.cache)
+            logits = jax.block_until_ready(runner.forward_logits(inputs, 0))
+        out[f"{impl}_s"] = (time.perf_counter() - start) / 3
+        out[impl] = np.asarray(logits[-64:], np.float32)
+    diff = np.abs(out["pallas"] - out["ref"])
+    scale = float(np.abs(out["ref"]).max())
+    return {"tokens": num_tokens, "max_abs_diff": float(diff.max()), "logit_scale": scale,
+            "argmax_agree": float(np.mean(out["pallas"].argmax(-1) == out["ref"].argmax(-1))),
+            "ref_s": out["ref_s"], "pallas_s": out["pallas_s"]}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="nemotron-nano-9b-v2")
+    p.add_argument(
+        "--cases",
+        nargs="*",
+        default=["p8x2048", "d1", "d128", "p1x2048", "d32", "d256", "p8x512"],
+        help="pBxL: prefill of B rows of L tokens; dB: decode at batch B (in this order)",
+    )
+    p.add_argument("--decode-context", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--impl", default="auto")
+    p.add_argument("--compare-tokens", type=int, default=0, help="pallas-vs-ref prefill check")
+    p.add_argument("--budget-s", type=float, default=480)
+    p.add_argument("--out", default="bench.json")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    cfg = ModelConfig.load(args.model)
+    dtype = jnp.bfloat16
+    params = jax.block_until_ready(init_params(cfg, dtype, seed=0))
+    print(f"{jax.devices()[0].device_kind}: {args.model} random bf16 weights "
+          f"in {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+    cases = [
+        ("prefill", *map(int, c[1:].split("x"))) if c[0] == "p"
+        else ("decode", int(c[1:]), args.decode_context)
+        for c in args.cases
+    ]  # fmt: skip
+    results: list[BenchResult] = []
+    record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": []}
+    for phase, batch, length in cases:
+        if time.perf_counter() - t0 > args.budget_s:
+            print(f"budget spent: skipping {phase} {batch}x{length}")
+            continue
+        start = time.perf_counter()
+        try:
+            res = bench_one_batch(cfg, params, batch=batch, input_len=length,
+                                  output_len=args.output_len, dtype=dtype, impl=args.impl,
+                                  repeats=3, log=lambda m: print(m, flush=True))  # fmt: skip
+            res = [r for r in res if r.phase == phase]
+            results += res
+            record["cases"] += [r.__dict__ for r in res]
+        except Exception:  # noqa: BLE001 - report and carry on with the next case
+            traceback.print_exc()
+            record["cases"].append(
+                {"phase": phase, "batch": batch, "error": traceback.format_exc()}
+            )
+        print(f"{phase} {batch}x{length}: {time.perf_counter() - start:.0f} s", flush=True)
+    if args.compare_tokens and time.perf_counter() - t0 < args.budget_s:
+        try:
+            record["pallas_vs_ref"] = pallas_vs_ref_logits(cfg, params, args.compare_tokens, dtype)
+            print("pallas vs ref:", record["pallas_vs_ref"])
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(format_results(results))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
