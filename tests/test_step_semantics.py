@@ -138,3 +138,25 @@ def test_step_raises_before_dispatch_on_malformed_rows(tiny):
     with pytest.raises(ValueError, match="do not fit"):
         bld.build([row([1] * 20, 0, slot=0)], Bucket(16, 1, 0))
     assert jax.device_get(runner.cache.ssm[0]).shape[0] == runner.cache_spec.num_slots + 1
+
+
+def test_decode_checkpoints_copy_only_the_tracking_rows(tiny):
+    cfg, params = tiny
+    runner = make_runner(cfg, params, num_slots=24)
+    bld = builder(runner)
+    prompts = random_prompts(np.random.default_rng(5), [3 + i for i in range(10)], cfg.vocab_size)
+    prefill_logits(runner, [row(p, 0, slot=i) for i, p in enumerate(prompts)], 128)
+    tracking = {1: 20, 4: 21, 9: 22}  # row → its checkpoint slot
+    rows = [
+        row([7], len(p), slot=i, track_slot=tracking.get(i), track_len=len(p) + 1)
+        for i, p in enumerate(prompts)
+    ]
+    runner.forward_logits(bld.build(rows, Bucket(16, 16, 16)), 16)
+    for i, slot in tracking.items():
+        assert_states_equal(slot_states(runner, slot), slot_states(runner, i), atol=0)
+    untouched = slot_states(runner, 23)
+    assert all(not np.any(s) for s in untouched)
+    too_many = [row([7], len(p), slot=i, track_slot=12 + i, track_len=len(p) + 1)
+                for i, p in enumerate(prompts)]  # fmt: skip
+    with pytest.raises(ValueError, match="at most 8"):
+        bld.build(too_many, Bucket(16, 16, 16))

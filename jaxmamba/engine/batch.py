@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import StepInputs
+from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, StepInputs
 
 
 @dataclass
@@ -145,6 +145,12 @@ class StepBuilder:
         if nd:
             if nd == bucket.num_rows and bucket.num_tokens != nd:
                 raise ValueError(f"a pure decode bucket needs num_tokens == num_rows, got {bucket}")
+        decode_checkpoints = sum(row.track_slot is not None for row in rows[:nd])
+        if decode_checkpoints > MAX_DECODE_CHECKPOINTS:
+            raise ValueError(
+                f"{decode_checkpoints} decode rows checkpoint in one step, at most "
+                f"{MAX_DECODE_CHECKPOINTS}"
+            )
         page_size = self.spec.page_size
         for r, row in enumerate(rows):
             n = len(row.tokens)

@@ -81,6 +81,7 @@ class ModelRunner:
             chunk_size=self.cfg.chunk_size,
             page_size=self.cache_spec.page_size,
             pad_page=self.cache_spec.pad_page,
+            pad_slot=self.cache_spec.pad_slot,
         )
 
     @staticmethod

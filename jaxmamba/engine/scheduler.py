@@ -18,6 +18,7 @@ from jaxmamba.engine.allocator import BlockAllocator
 from jaxmamba.engine.batch import Bucket, RowSpec, pow2_buckets, smallest_fitting
 from jaxmamba.engine.prefix_cache import PrefixCache
 from jaxmamba.engine.request import Request
+from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,9 @@ class Scheduler:
         row = ScheduledRow(req, self._row(req, tokens, from_device=from_device), samples=False)
         end = start + n
         if from_device:
-            if end % self.config.track_interval == 0:
+            if end % self.config.track_interval == 0 and self._decode_checkpoints_left > 0:
                 self._maybe_track(row, end)
+                self._decode_checkpoints_left -= row.track_len > 0
         else:
             self._maybe_track(row, end - end % self.block_size)
         req.num_computed = end
@@ -238,6 +240,7 @@ class Scheduler:
         decode = [
             r for r in self.running if not (r.in_prefill or r.finished or r.done_scheduling(limit))
         ]
+        self._decode_checkpoints_left = MAX_DECODE_CHECKPOINTS  # past that, rows skip a checkpoint
         rows = [self._schedule_tokens(r, 1, from_device=True) for r in decode]
         bd = smallest_fitting([0, *self.decode_buckets], len(rows), "decode rows")
         budget = cfg.max_num_batched_tokens - bd

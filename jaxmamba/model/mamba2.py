@@ -125,9 +125,9 @@ class Mamba2Mixer(nn.Module):
                 ssm_pool, x_d, dt[:bd], A, b_d, c_d, dec.state_slots,
                 D=d_skip, dt_bias=dt_bias, dt_softplus=True, impl=self.impl,
             )  # fmt: skip
-            # Decode checkpoint: copy the just-updated state to the track slot (pad → pad).
-            conv_pool = conv_pool.at[dec.track_slots].set(conv_pool[dec.state_slots])
-            ssm_pool = ssm_pool.at[dec.track_slots].set(ssm_pool[dec.state_slots])
+            # Decode checkpoints: copy the few tracking rows' new states (unused: pad → pad).
+            conv_pool = conv_pool.at[dec.track_dst_slots].set(conv_pool[dec.track_src_slots])
+            ssm_pool = ssm_pool.at[dec.track_dst_slots].set(ssm_pool[dec.track_src_slots])
             outputs.append(y_d)
 
         if meta.prefill is not None:

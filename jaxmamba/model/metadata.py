@@ -59,11 +59,18 @@ class PrefillMetadata(NamedTuple):
     track_chunks: jax.Array  # i32[Bp] chunk whose end state is the tracked SSM state
 
 
+# A decode step checkpoints at most this many rows (rows whose length crosses a multiple of
+# the track interval); the scheduler enforces it. Copying only these rows — not a masked copy
+# of every row — keeps decode from moving every state twice.
+MAX_DECODE_CHECKPOINTS = 8
+
+
 class DecodeMetadata(NamedTuple):
     """The decode part of a step: rows ``[0, num_decode)``, one token each."""
 
     state_slots: jax.Array  # i32[Bd]
-    track_slots: jax.Array  # i32[Bd] copy the updated state here (pad slot when not tracking)
+    track_src_slots: jax.Array  # i32[KT] checkpoint copies: from these working slots...
+    track_dst_slots: jax.Array  # i32[KT] ...to these track slots (unused entries: pad → pad)
 
 
 class ForwardMetadata(NamedTuple):
@@ -84,6 +91,7 @@ class ForwardMetadata(NamedTuple):
         chunk_size: int,
         page_size: int,
         pad_page: int,
+        pad_slot: int,
     ) -> ForwardMetadata:
         """Derive the step's metadata on device. Call once per forward, inside the jit."""
         inputs = jax.tree.map(jnp.asarray, inputs)
@@ -105,9 +113,16 @@ class ForwardMetadata(NamedTuple):
 
         decode = None
         if num_decode > 0:
+            slots = inputs.state_slots[:num_decode]
+            targets = inputs.track_slots[:num_decode]
+            tracking = targets != pad_slot
+            k = min(num_decode, MAX_DECODE_CHECKPOINTS)
+            (rows,) = jnp.nonzero(tracking, size=k, fill_value=0)
+            used = jnp.arange(k) < jnp.sum(tracking)
             decode = DecodeMetadata(
-                state_slots=inputs.state_slots[:num_decode],
-                track_slots=inputs.track_slots[:num_decode],
+                state_slots=slots,
+                track_src_slots=jnp.where(used, slots[rows], pad_slot),
+                track_dst_slots=jnp.where(used, targets[rows], pad_slot),
             )
 
         prefill = None

@@ -35,7 +35,7 @@ def _dummy_step(cfg: ModelConfig, dtype):
         sample_counters=np.zeros(1, np.int32),
     )
     meta = ForwardMetadata.build(
-        inputs, num_decode=0, chunk_size=cfg.chunk_size, page_size=T, pad_page=1
+        inputs, num_decode=0, chunk_size=cfg.chunk_size, page_size=T, pad_page=1, pad_slot=1
     )
     return inputs, init_cache(cfg, spec, dtype), meta
 
