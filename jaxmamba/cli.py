@@ -71,8 +71,10 @@ def cmd_bench(args) -> int:
     results = []
     for batch in args.batch_size:
         for input_len in args.input_len:
-            print(f"bench {cfg.name or args.model}: batch {batch}, input {input_len}, "
-                  f"output {args.output_len}, {jnp.dtype(dtype).name}, impl={args.impl}")  # fmt: skip
+            print(
+                f"bench {cfg.name or args.model}: batch {batch}, input {input_len}, "
+                f"output {args.output_len}, {jnp.dtype(dtype).name}, impl={args.impl}"
+            )
             results += bench_one_batch(
                 cfg, params, batch=batch, input_len=input_len, output_len=args.output_len,
                 dtype=dtype, impl=args.impl,

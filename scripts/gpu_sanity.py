@@ -15,5 +15,5 @@ for impl in ("ref", "auto"):
     llms[impl] = [
         o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     ]
-agree = np.mean([a == b for a, b in zip(llms["ref"], llms["auto"])])
+agree = np.mean([a == b for a, b in zip(llms["ref"], llms["auto"], strict=True)])
 print(f"tiny model greedy tokens, pallas (auto) vs ref: {agree:.0%} of requests identical")
