@@ -153,7 +153,9 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_params):
 def test_generation_under_transfer_guard_compiles_nothing_after_precompile(tiny_params):
     llm = tiny_llm(tiny_params, max_num_seqs=2, max_num_batched_tokens=32, precompile=True)
     compiled = llm.stats()["compilations"]
-    assert compiled == len(llm.engine.scheduler.all_buckets())
+    assert compiled >= len(llm.engine.scheduler.all_buckets()) > 0
+    llm.engine.precompile(show_progress=False)  # every bucket is already compiled
+    assert llm.stats()["compilations"] == compiled
     rng = np.random.default_rng(9)
     with jax.transfer_guard("disallow"):
         for round_ in range(3):

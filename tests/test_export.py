@@ -16,7 +16,7 @@ import pytest
 
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
-from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.engine.runner import ModelRunner, jitted_step
 from jaxmamba.kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params
@@ -107,10 +107,8 @@ def test_model_step_exports_with_platform_kernels(tiny, platform, step):
         rows = [row([int(rng.integers(0, 256))], 9, slot=i) for i in range(2)]
         bucket, num_decode = Bucket(4, 4, 4), 4
     inputs = builder(runner).build(rows, bucket)
-    exported = _export(
-        runner._step, platform, params, runner.cache, runner.last_tokens, inputs,
-        num_decode=num_decode,
-    )  # fmt: skip
+    args, kwargs = runner.step_args(inputs, num_decode)
+    exported = _export(jitted_step, platform, *args, **kwargs)
     module = exported.mlir_module()
     # Every Mamba layer calls its conv kernel, and in decode its state-update kernel too.
     per_layer = 1 if step == "prefill" else 2

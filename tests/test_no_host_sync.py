@@ -80,4 +80,3 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
         ]
         run(rows, decode_bucket)
     assert runner.num_compiles == warm
-    assert runner._step._cache_size() == 2

@@ -8,6 +8,7 @@ compiles once.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import jax
@@ -47,6 +48,68 @@ def unpack_sample_output(packed: np.ndarray) -> HostSample:
     return HostSample(ints[:, 0], packed[:, 1], ints[:, 2 : 2 + k], packed[:, 2 + k : 2 + 2 * k])
 
 
+def build_metadata(model: Mamba2HybridLM, spec: CacheSpec, inputs: StepInputs, num_decode: int):
+    return ForwardMetadata.build(
+        inputs,
+        num_decode=num_decode,
+        chunk_size=model.cfg.chunk_size,
+        page_size=spec.page_size,
+        pad_page=spec.pad_page,
+        pad_slot=spec.pad_slot,
+    )
+
+
+def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> jax.Array:
+    if num_decode == 0:
+        return inputs.input_ids
+    decode_ids = jnp.where(
+        inputs.tokens_from_device[:num_decode],
+        last_tokens[inputs.state_slots[:num_decode]],
+        inputs.input_ids[:num_decode],
+    )
+    return inputs.input_ids.at[:num_decode].set(decode_ids)
+
+
+# Traces (= compilations) of the jitted step per (model, cache spec) in this process.
+TRACE_COUNTS: Counter = Counter()
+
+
+def step_fn(params, cache: StateCache, last_tokens, inputs: StepInputs, *, model, spec, num_decode):
+    """One engine step: forward, sample at each row's last token, remember the samples."""
+    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
+    meta = build_metadata(model, spec, inputs, num_decode)
+    input_ids = _input_ids(inputs, last_tokens, num_decode)
+    hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
+    logits = model.apply(
+        {"params": params}, hidden[meta.last_token_index], method=Mamba2HybridLM.logits
+    )
+    out = sample(
+        logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_counters
+    )
+    last_tokens = last_tokens.at[inputs.state_slots].set(out.tokens)
+    return pack_sample_output(out), cache, last_tokens
+
+
+def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
+    TRACE_COUNTS[(model, spec)] += 1
+    meta = build_metadata(model, spec, inputs, num_decode)
+    return model.apply(
+        {"params": params}, inputs.input_ids, cache, meta, method=Mamba2HybridLM.forward_logits
+    )
+
+
+# Module-level jits with the model and cache spec static: every runner of the same model
+# and cache shape (several `LLM`s, tests) shares one compiled executable per bucket.
+jitted_step = jax.jit(
+    step_fn,
+    static_argnames=("model", "spec", "num_decode"),
+    donate_argnames=("cache", "last_tokens"),
+)
+jitted_logits = jax.jit(
+    logits_fn, static_argnames=("model", "spec", "num_decode"), donate_argnames=("cache",)
+)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -64,82 +127,41 @@ class ModelRunner:
         self.model = Mamba2HybridLM(cfg, self.dtype, impl)
         self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
         self.last_tokens = jnp.zeros(cache_spec.num_slots + 1, jnp.int32)
-        self.num_compiles = 0
-        self._step = jax.jit(
-            self._step_fn,
-            static_argnames=("num_decode",),
-            donate_argnames=("cache", "last_tokens"),
-        )
-        self._forward_logits = jax.jit(
-            self._logits_fn, static_argnames=("num_decode",), donate_argnames=("cache",)
-        )
+        self._static = dict(model=self.model, spec=cache_spec)
 
-    def build_metadata(self, inputs: StepInputs, num_decode: int) -> ForwardMetadata:
-        return ForwardMetadata.build(
-            inputs,
-            num_decode=num_decode,
-            chunk_size=self.cfg.chunk_size,
-            page_size=self.cache_spec.page_size,
-            pad_page=self.cache_spec.pad_page,
-            pad_slot=self.cache_spec.pad_slot,
-        )
+    @property
+    def num_compiles(self) -> int:
+        """Compilations of this model+cache shape in this process (shared between runners)."""
+        return TRACE_COUNTS[(self.model, self.cache_spec)]
 
-    @staticmethod
-    def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> jax.Array:
-        if num_decode == 0:
-            return inputs.input_ids
-        decode_ids = jnp.where(
-            inputs.tokens_from_device[:num_decode],
-            last_tokens[inputs.state_slots[:num_decode]],
-            inputs.input_ids[:num_decode],
-        )
-        return inputs.input_ids.at[:num_decode].set(decode_ids)
-
-    def _step_fn(self, params, cache: StateCache, last_tokens, inputs: StepInputs, *, num_decode):
-        self.num_compiles += 1  # runs only while tracing, i.e. once per compiled bucket
-        meta = self.build_metadata(inputs, num_decode)
-        input_ids = self._input_ids(inputs, last_tokens, num_decode)
-        hidden, cache = self.model.apply({"params": params}, input_ids, cache, meta)
-        logits = self.model.apply(
-            {"params": params}, hidden[meta.last_token_index], method=Mamba2HybridLM.logits
-        )
-        out = sample(
-            logits,
-            inputs.temperature,
-            inputs.top_p,
-            inputs.top_k,
-            inputs.seeds,
-            inputs.sample_counters,
-        )
-        last_tokens = last_tokens.at[inputs.state_slots].set(out.tokens)
-        return pack_sample_output(out), cache, last_tokens
-
-    def _logits_fn(self, params, cache: StateCache, inputs: StepInputs, *, num_decode: int):
-        self.num_compiles += 1
-        meta = self.build_metadata(inputs, num_decode)
-        return self.model.apply(
-            {"params": params}, inputs.input_ids, cache, meta, method=Mamba2HybridLM.forward_logits
-        )
+    def _step_fn(self, params, cache, last_tokens, inputs, *, num_decode):
+        """The step body, unjitted (for jaxpr inspection)."""
+        return step_fn(params, cache, last_tokens, inputs, num_decode=num_decode, **self._static)
 
     def forward_logits(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Like `step`, but returns float32 logits for every token `[T, V]` (scoring, tests)."""
-        logits, self.cache = self._forward_logits(
-            self.params, self.cache, jax.device_put(inputs), num_decode=num_decode
+        logits, self.cache = jitted_logits(
+            self.params, self.cache, jax.device_put(inputs), num_decode=num_decode, **self._static
         )
         return logits
 
     def step(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Dispatch one step; returns the packed device output without waiting for it."""
-        packed, self.cache, self.last_tokens = self._step(
-            self.params, self.cache, self.last_tokens, jax.device_put(inputs), num_decode=num_decode
-        )
+        packed, self.cache, self.last_tokens = jitted_step(
+            self.params, self.cache, self.last_tokens, jax.device_put(inputs),
+            num_decode=num_decode, **self._static,
+        )  # fmt: skip
         return packed
 
+    def step_args(self, inputs: StepInputs, num_decode: int) -> tuple[tuple, dict]:
+        """`(args, kwargs)` of `jitted_step` for these inputs (lowering, export)."""
+        kwargs = dict(num_decode=num_decode, **self._static)
+        return (self.params, self.cache, self.last_tokens, inputs), kwargs
+
     def lower_step(self, inputs: StepInputs, num_decode: int):
-        """The step lowered for these shapes (for jaxpr/HLO inspection and export)."""
-        return self._step.lower(
-            self.params, self.cache, self.last_tokens, inputs, num_decode=num_decode
-        )
+        """The step lowered for these shapes (for HLO inspection)."""
+        args, kwargs = self.step_args(inputs, num_decode)
+        return jitted_step.lower(*args, **kwargs)
 
     def precompile(self, buckets, build_inputs, progress=None) -> None:
         """Compile (and run once, on padding only) the step of every bucket."""
