@@ -39,13 +39,24 @@ def main() -> None:
     cfg = ModelConfig.load(args.model)
     dtype = DTYPES[args.dtype]
     params = jax.block_until_ready(init_params(cfg, dtype, seed=0))
+    max_len = args.system_len + args.suffix_len + args.max_tokens + 16
+    pages = 2 * args.max_num_seqs * -(-max_len // 16)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     vocab = min(cfg.vocab_size, 256)
     rows = []
     for caching in (False, True):
-        llm = LLM(args.model, dtype=args.dtype, params=params, enable_prefix_caching=caching,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.system_len + args.suffix_len
-                  + args.max_tokens + 16, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+        # Same slot/page pools for both, so both engines share compiled steps.
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            params=params,
+            enable_prefix_caching=caching,
+            num_state_slots=2 * args.max_num_seqs,
+            num_pages=pages,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
         rng = np.random.default_rng(0)
         prompts = workload(rng, vocab, args.system_len, args.suffix_len, args.requests)
         start = time.perf_counter()
@@ -71,8 +82,10 @@ def main() -> None:
                      llm.stats()["compilations"] - compiles))  # fmt: skip
     print(f"\n{args.requests} requests: {args.system_len}-token shared prefix + "
           f"{args.suffix_len}-token suffix, {args.max_tokens} output tokens, {cfg.name}")  # fmt: skip
-    print("| prefix caching | wall time | output tokens/s | median TTFT | max TTFT |"
-          " prompt tokens from cache | warm-up passes | compiles in timed pass |")
+    print(
+        "| prefix caching | wall time | output tokens/s | median TTFT | max TTFT |"
+        " prompt tokens from cache | warm-up passes | compiles in timed pass |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for caching, wall, tps, ttft_med, ttft_max, hit, warm, compiles in rows:
         print(f"| {'on' if caching else 'off'} | {wall:.2f} s | {tps:.1f} | "
