@@ -63,7 +63,7 @@ def main() -> None:
         llm.generate(prompt_token_ids=prompts, sampling_params=sp)  # compiles its buckets
         system = prompts[0][: args.system_len]
 
-        def fresh():
+        def fresh(system=system, rng=rng):
             return [system + rng.integers(0, vocab, args.suffix_len).tolist()
                     for _ in range(args.requests)]  # fmt: skip
 
@@ -80,8 +80,10 @@ def main() -> None:
         rows.append((caching, elapsed, args.requests * args.max_tokens / elapsed,
                      float(np.median(ttft)), float(np.max(ttft)), cached / total, warm,
                      llm.stats()["compilations"] - compiles))  # fmt: skip
-    print(f"\n{args.requests} requests: {args.system_len}-token shared prefix + "
-          f"{args.suffix_len}-token suffix, {args.max_tokens} output tokens, {cfg.name}")  # fmt: skip
+    print(
+        f"\n{args.requests} requests: {args.system_len}-token shared prefix + "
+        f"{args.suffix_len}-token suffix, {args.max_tokens} output tokens, {cfg.name}"
+    )
     print(
         "| prefix caching | wall time | output tokens/s | median TTFT | max TTFT |"
         " prompt tokens from cache | warm-up passes | compiles in timed pass |"
