@@ -34,14 +34,18 @@ def cmd_generate(args) -> int:
 
     llm = _llm(args)
     prompts = args.prompt or ["The state space model", "Once upon a time", "JAX compiles"]
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    # One seed per prompt: with a shared seed, requests draw the same random numbers.
+    params = [
+        SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed + i,
+            ignore_eos=args.ignore_eos,
+        )
+        for i in range(len(prompts))
+    ]
     for run in ("warm-up (compiles each bucket once)", "steady state"):
         start = time.perf_counter()
         outs = llm.generate(prompts, params)

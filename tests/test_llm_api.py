@@ -135,3 +135,13 @@ def test_hf_checkpoint_with_tokenizer_decodes_text(tmp_path):
     (out,) = llm.generate("the quick brown fox", greedy(5))
     assert len(out.outputs[0].token_ids) == 5
     assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_cli_generate_prints_throughput_and_rejects_bad_models(capsys):
+    from jaxmamba.cli import main
+
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "4", "--max-model-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "generated tokens/s" in out and "'hi'" in out
+    assert main(["generate", "--model", "no-such-preset"]) == 2
+    assert "error:" in capsys.readouterr().err
