@@ -11,7 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.loader import load_hf_checkpoint, param_shapes, save_hf_checkpoint
+from jaxmamba.model.loader import (
+    checkpoint_param_shapes,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 
 from hf_fixtures import make_mamba2_checkpoint, make_nemotron_h_checkpoint
 
@@ -74,7 +78,7 @@ def test_nemotron_h_loads_every_tensor_transposed_like_torch(nemotron):
     path, model = nemotron
     cfg = ModelConfig.from_hf_config(path)
     params = load_hf_checkpoint(
-        path, cfg, dtype=jnp.float32, expected=param_shapes(cfg, jnp.float32)
+        path, cfg, dtype=jnp.float32, expected=checkpoint_param_shapes(cfg, jnp.float32)
     )
     assert _assert_matches_state_dict(params, model) == set()
     mixer = params["layers_0"]["mixer"]
@@ -251,7 +255,7 @@ def test_config_and_expected_mismatches_raise(nemotron):
 
     with pytest.raises(ValueError, match=r"ModelConfig.ssm_state_size=16 does not match"):
         load_hf_checkpoint(path, dataclasses.replace(cfg, ssm_state_size=16))
-    expected = param_shapes(cfg, jnp.bfloat16)
+    expected = checkpoint_param_shapes(cfg, jnp.bfloat16)
     with pytest.raises(ValueError, match=r"param embed/embedding: got float32\[97, 48\]"):
         load_hf_checkpoint(path, cfg, dtype=jnp.float32, expected=expected)
     del expected["norm_f"]
@@ -270,3 +274,11 @@ def test_projection_biases_load_and_absent_conv_bias_is_not_required(tmp_path):
     assert mixer["in_proj"]["bias"].shape == (cfg.in_proj_dim,) and "bias" not in mixer["conv1d"]
     assert params["layers_1"]["mixer"]["down_proj"]["bias"].shape == (48,)
     assert _assert_matches_state_dict(params, model) == set()
+
+
+@pytest.mark.parametrize("preset", ["nemotron-h-tiny", "nemotron-nano-9b-v2", "mamba2-130m"])
+def test_loader_layout_matches_the_model_parameters(preset):
+    from jaxmamba.model.params import param_shapes
+
+    cfg = ModelConfig.from_preset(preset)
+    assert checkpoint_param_shapes(cfg, jnp.bfloat16) == param_shapes(cfg, jnp.bfloat16)

@@ -299,7 +299,7 @@ def _path_str(path: tuple[str, ...]) -> str:
     return "/".join(path)
 
 
-def param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
+def checkpoint_param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
     """The param tree of `cfg` as ShapeDtypeStructs (what `load_hf_checkpoint` returns)."""
     tree: Params = {}
     for e in _plan(cfg):
