@@ -3,7 +3,13 @@ one process (the parameters are initialised once), each case guarded so one fail
 not lose the others; stops starting cases when the time budget runs out.
 
     python scripts/bench_engine.py --model nemotron-nano-9b-v2 --budget-s 480 \
-        --cases p8x2048 d1 d128 --compare-tokens 8192 --out $OUT/bench.json
+        --cases p8x2048 d1 d128 --compare-tokens 8192 --out $OUT/bench.json \
+        --profile-cases p8x2048 d1
+
+A prefill case times one step of B x L tokens; a decode case fills the cache in prefills of at
+most 32k tokens, then times decode steps. `--profile-cases` runs those cases once more under the
+JAX profiler and prints where the device time goes (kernels per step, busy vs span, top
+kernels).
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba.bench import BenchResult, bench_one_batch, format_results
+from jaxmamba.bench import (
+    BenchResult,
+    bench_one_batch,
+    format_results,
+    format_trace_summary,
+    summarize_trace,
+)
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
 from jaxmamba.engine.runner import ModelRunner
@@ -56,7 +68,18 @@ def main() -> None:
     p.add_argument(
         "--cases",
         nargs="*",
-        default=["p8x2048", "d1", "d128", "p1x2048", "d32", "d256", "p8x512"],
+        default=[
+            "p8x2048",
+            "d1",
+            "d128",
+            "p1x2048",
+            "d32",
+            "d256",
+            "p8x512",
+            "p1x512",
+            "p32x512",
+            "p32x2048",
+        ],  # fmt: skip
         help="pBxL: prefill of B rows of L tokens; dB: decode at batch B (in this order)",
     )
     p.add_argument("--decode-context", type=int, default=512)
@@ -65,6 +88,8 @@ def main() -> None:
     p.add_argument("--compare-tokens", type=int, default=0, help="pallas-vs-ref prefill check")
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--out", default="bench.json")
+    p.add_argument("--profile-cases", nargs="*", default=[], help="cases to profile too")
+    p.add_argument("--trace-dir", default="/tmp/jaxmamba-bench-traces")
     args = p.parse_args()
     t0 = time.perf_counter()
     cfg = ModelConfig.load(args.model)
@@ -78,19 +103,27 @@ def main() -> None:
         for c in args.cases
     ]  # fmt: skip
     results: list[BenchResult] = []
+    profiles: list[str] = []
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": []}
     for phase, batch, length in cases:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: skipping {phase} {batch}x{length}")
             continue
         start = time.perf_counter()
+        name = f"{phase[0]}{batch}" + (f"x{length}" if phase == "prefill" else "")
+        trace_dir = f"{args.trace_dir}/{name}" if name in args.profile_cases else None
         try:
             res = bench_one_batch(cfg, params, batch=batch, input_len=length,
                                   output_len=args.output_len, dtype=dtype, impl=args.impl,
-                                  repeats=3, log=lambda m: print(m, flush=True))  # fmt: skip
-            res = [r for r in res if r.phase == phase]
+                                  repeats=3, phases=(phase,), trace_dir=trace_dir,
+                                  log=lambda m: print(m, flush=True))  # fmt: skip
             results += res
             record["cases"] += [r.__dict__ for r in res]
+            if trace_dir:
+                steps = 1 if phase == "prefill" else args.output_len
+                summary = summarize_trace(f"{trace_dir}/{phase}", steps)
+                record.setdefault("profiles", {})[name] = summary
+                profiles.append(format_trace_summary(f"{name} ({args.impl})", summary))
         except Exception:  # noqa: BLE001 - report and carry on with the next case
             traceback.print_exc()
             record["cases"].append(
@@ -105,6 +138,7 @@ def main() -> None:
             traceback.print_exc()
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
+    print("\n\n".join(profiles))
     print(format_results(results))
     print(f"total {time.perf_counter() - t0:.0f} s")
 

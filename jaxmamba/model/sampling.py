@@ -19,6 +19,44 @@ class SampleOutput(NamedTuple):
     top_logprobs: jax.Array  # f32[B, MAX_LOGPROBS]
 
 
+def _order_key(x: jax.Array) -> jax.Array:
+    """uint32 keys that sort like the float32 values (-inf lowest, +inf highest)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _filter_threshold(
+    keys: jax.Array,  # u32[B, V] order keys of the scaled logits
+    probs: jax.Array,  # f32[B, V] their softmax
+    top_k: jax.Array,  # i32[B] 0 → off
+    top_p: jax.Array,  # f32[B] >= 1 → off
+    bits_per_pass: int = 4,
+) -> jax.Array:
+    """Key of the lowest value a row keeps: the largest key ``t`` with ``count(keys >= t) >=
+    top_k`` (the k-th largest value) or ``mass(keys >= t) >= top_p`` (the token whose
+    cumulative mass first reaches top_p), whichever is higher; 0 (keep all) when both are off.
+
+    A radix select instead of a sort: the key is found from its top bits down,
+    ``bits_per_pass`` bits per pass over the vocabulary, each pass testing every candidate
+    value of those bits at once (32 / bits_per_pass passes, each a fused reduction).
+    """
+    k_on = (top_k > 0)[:, None]
+    p_on = (top_p < 1.0)[:, None]
+    candidates = jnp.arange(1 << bits_per_pass, dtype=jnp.uint32)  # [R]
+    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
+    for shift in range(32 - bits_per_pass, -1, -bits_per_pass):
+        trial = prefix[:, None] | (candidates[None, :] << shift)  # [B, R]
+        above = keys[:, None, :] >= trial[:, :, None]  # [B, R, V]
+        count = jnp.sum(above, axis=-1, dtype=jnp.int32)
+        mass = jnp.sum(jnp.where(above, probs[:, None, :], 0.0), axis=-1)
+        ok = (k_on & (count >= top_k[:, None])) | (p_on & (mass >= top_p[:, None]))
+        # ok is monotone (true for small trials); candidate 0 keeps the prefix itself.
+        best = jnp.maximum(jnp.sum(ok, axis=-1, dtype=jnp.uint32), 1) - 1
+        prefix = prefix | (best << shift)
+    return prefix
+
+
 def sample(
     logits: jax.Array,  # f32[B, V]
     temperature: jax.Array,  # f32[B] 0 → greedy
@@ -27,29 +65,27 @@ def sample(
     seeds: jax.Array,  # u32[B]
     counters: jax.Array,  # i32[B] how many tokens the request has sampled before
 ) -> SampleOutput:
+    """Sample one token per row. top-k keeps the k most likely tokens, top-p the smallest set
+    of most likely tokens whose probability reaches top_p (the most likely token is always
+    kept); both apply to the temperature-scaled distribution, then a Gumbel-max draw picks
+    from what is kept. No sort: the cut-off comes from a radix select (``_filter_threshold``).
+    """
     vocab = logits.shape[-1]
+    logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth_value = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p
-    # (the most likely token is always kept).
-    sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = mass_before < top_p[:, None]
-    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    top_p_value = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(kth_value, top_p_value)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = _order_key(scaled)
+    top_k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), 0)
+    threshold = _filter_threshold(keys, jax.nn.softmax(scaled, axis=-1), top_k, top_p)
+    masked = jnp.where(keys >= threshold[:, None], scaled, -jnp.inf)
 
     def row_key(seed, counter):
         return jax.random.fold_in(jax.random.PRNGKey(seed), counter)
 
-    keys = jax.vmap(row_key)(seeds, counters)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    rng_keys = jax.vmap(row_key)(seeds, counters)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(rng_keys)
     sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
     tokens = jnp.where(temperature > 0, sampled, greedy)
 
