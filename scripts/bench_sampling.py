@@ -1,7 +1,7 @@
 """Time the on-device sampler at Nemotron-H's vocabulary (131072) for decode batch sizes.
 
-Beside it, the pieces a sort-based sampler would spend: a full-vocabulary `jnp.sort` per row
-(what the sampler did before the radix select), and `lax.top_k` of the 20 top logprobs.
+Beside it, the two pieces a sampler could spend separately: a full-vocabulary `jnp.sort` per row
+(top-k/top-p cut-off), and `lax.top_k` of the 20 top logprobs; `sample` does one key-value sort.
 
     python scripts/bench_sampling.py [--vocab 131072] [--batch 1 32 128 256]
 """
@@ -51,7 +51,7 @@ def main() -> None:
         t_sample = median_us(sample_jit, logits, temperature, top_p, top_k, seeds, counters)
         rows.append((b, t_sample, median_us(sort_jit, logits), median_us(top_k_jit, logits)))
     print(f"{jax.devices()[0].device_kind}, vocab {args.vocab}, jax {jax.__version__}")
-    print("| batch | sample (radix select) µs | full sort µs | top-20 µs |")
+    print("| batch | sample µs | full sort µs | top-20 µs |")
     print("|---|---|---|---|")
     for b, t_sample, t_sort, t_top in rows:
         print(f"| {b} | {t_sample:.0f} | {t_sort:.0f} | {t_top:.0f} |")

@@ -1,13 +1,12 @@
-"""The sampler's top-k / top-p cut-off (a radix select) against a float64 sort in numpy."""
+"""The sampler's top-k / top-p cut-off and its draws against a float64 sort in numpy."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba.model.sampling import _filter_threshold, _order_key, sample
+from jaxmamba.model.sampling import MAX_LOGPROBS, filter_cutoff, sample
 
 
 def kept_by_sorting(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -26,15 +25,6 @@ def kept_by_sorting(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     return scaled >= cut
 
 
-def test_order_key_sorts_like_the_floats():
-    x = np.array(
-        [-np.inf, -3e38, -2.5, -1e-30, -0.0, 0.0, 1e-30, 1.0, 7.5, 3e38, np.inf], np.float32
-    )
-    keys = np.asarray(_order_key(jnp.asarray(x))).astype(np.int64)
-    assert np.all(np.diff(keys) >= 0)
-    assert np.all(np.diff(keys)[np.diff(x) > 0] > 0)
-
-
 @pytest.mark.parametrize("vocab", [7, 1000, 4099])
 def test_filter_matches_a_sort(vocab):
     rng = np.random.default_rng(vocab)
@@ -45,11 +35,9 @@ def test_filter_matches_a_sort(vocab):
     scaled[3, :5] = scaled[3, 5]  # ties at the cut
     top_k = np.array([0, 1, 2, 5, 0, 0, 3, vocab, vocab + 9, 0, 50, 1], np.int32)
     top_p = np.array([1.0, 1.0, 0.5, 1.0, 0.9, 0.1, 0.95, 0.3, 1.0, 0.999, 0.7, 0.2], np.float32)
-    keys = _order_key(jnp.asarray(scaled))
-    probs = jax.nn.softmax(jnp.asarray(scaled), axis=-1)
-    k = jnp.minimum(jnp.asarray(top_k), vocab)
-    threshold = _filter_threshold(keys, probs, k, jnp.asarray(top_p))
-    kept = np.asarray(keys >= threshold[:, None])
+    sorted_desc = -jnp.sort(-jnp.asarray(scaled), axis=-1)
+    cutoff = filter_cutoff(sorted_desc, jnp.asarray(top_k), jnp.asarray(top_p))
+    kept = scaled >= np.asarray(cutoff)[:, None]
     for r in range(rows):
         expected = kept_by_sorting(scaled[r], int(top_k[r]), float(top_p[r]))
         np.testing.assert_array_equal(kept[r], expected, err_msg=f"row {r}")
@@ -75,3 +63,20 @@ def test_sampling_respects_the_filter():
     assert (counts[0] > 0).sum() == 3  # all three survivors of top-3 get drawn
     assert (counts[2] > 0).sum() > 10  # no filter: draws spread over the vocabulary
     assert counts[3, np.argmax(scaled[3])] == 300
+
+
+def test_greedy_and_logprobs_match_numpy():
+    vocab, rows = 300, 5
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 2
+    out = sample(jnp.asarray(logits), jnp.zeros(rows), jnp.ones(rows), jnp.zeros(rows, jnp.int32),
+                 jnp.zeros(rows, jnp.uint32), jnp.zeros(rows, jnp.int32))  # fmt: skip
+    logprobs = (
+        logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1))[:, None]
+    )
+    np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
+    np.testing.assert_allclose(np.asarray(out.logprobs), logprobs.max(-1), atol=1e-5)
+    top = np.argsort(-logprobs, axis=-1)[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(np.asarray(out.top_ids), top)
+    expected = np.take_along_axis(logprobs, top, -1)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), expected, atol=1e-5)

@@ -19,42 +19,22 @@ class SampleOutput(NamedTuple):
     top_logprobs: jax.Array  # f32[B, MAX_LOGPROBS]
 
 
-def _order_key(x: jax.Array) -> jax.Array:
-    """uint32 keys that sort like the float32 values (-inf lowest, +inf highest)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    negative = (bits >> 31) == 1
-    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _filter_threshold(
-    keys: jax.Array,  # u32[B, V] order keys of the scaled logits
-    probs: jax.Array,  # f32[B, V] their softmax
+def filter_cutoff(
+    sorted_desc: jax.Array,  # f32[B, V] temperature-scaled logits, sorted descending
     top_k: jax.Array,  # i32[B] 0 → off
-    top_p: jax.Array,  # f32[B] >= 1 → off
-    bits_per_pass: int = 4,
+    top_p: jax.Array,  # f32[B] 1 → off
 ) -> jax.Array:
-    """Key of the lowest value a row keeps: the largest key ``t`` with ``count(keys >= t) >=
-    top_k`` (the k-th largest value) or ``mass(keys >= t) >= top_p`` (the token whose
-    cumulative mass first reaches top_p), whichever is higher; 0 (keep all) when both are off.
-
-    A radix select instead of a sort: the key is found from its top bits down,
-    ``bits_per_pass`` bits per pass over the vocabulary, each pass testing every candidate
-    value of those bits at once (32 / bits_per_pass passes, each a fused reduction).
-    """
-    k_on = (top_k > 0)[:, None]
-    p_on = (top_p < 1.0)[:, None]
-    candidates = jnp.arange(1 << bits_per_pass, dtype=jnp.uint32)  # [R]
-    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
-    for shift in range(32 - bits_per_pass, -1, -bits_per_pass):
-        trial = prefix[:, None] | (candidates[None, :] << shift)  # [B, R]
-        above = keys[:, None, :] >= trial[:, :, None]  # [B, R, V]
-        count = jnp.sum(above, axis=-1, dtype=jnp.int32)
-        mass = jnp.sum(jnp.where(above, probs[:, None, :], 0.0), axis=-1)
-        ok = (k_on & (count >= top_k[:, None])) | (p_on & (mass >= top_p[:, None]))
-        # ok is monotone (true for small trials); candidate 0 keeps the prefix itself.
-        best = jnp.maximum(jnp.sum(ok, axis=-1, dtype=jnp.uint32), 1) - 1
-        prefix = prefix | (best << shift)
-    return prefix
+    """f32[B]: the lowest scaled logit a row keeps. top-k keeps the k largest; top-p the
+    smallest prefix of the sorted distribution whose mass reaches top_p (the most likely
+    token is always kept); the cut is the higher of the two."""
+    vocab = sorted_desc.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth_value = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]
+    sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
+    top_p_value = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    return jnp.maximum(kth_value, top_p_value)
 
 
 def sample(
@@ -65,21 +45,26 @@ def sample(
     seeds: jax.Array,  # u32[B]
     counters: jax.Array,  # i32[B] how many tokens the request has sampled before
 ) -> SampleOutput:
-    """Sample one token per row. top-k keeps the k most likely tokens, top-p the smallest set
-    of most likely tokens whose probability reaches top_p (the most likely token is always
-    kept); both apply to the temperature-scaled distribution, then a Gumbel-max draw picks
-    from what is kept. No sort: the cut-off comes from a radix select (``_filter_threshold``).
+    """Sample one token per row: greedy, or a Gumbel-max draw from the temperature-scaled
+    distribution cut by top-k/top-p (``filter_cutoff``).
+
+    One key-value sort of each row's logits serves both the cut-off (scaling by a positive
+    temperature keeps the order) and the top logprobs: on the H200 a separate ``lax.top_k``
+    of 20 costs as much as the sort itself, and a sort-free radix select (32 bits, 4 per
+    pass) was 2-4x slower than the sort (``scripts/bench_sampling.py``, docs/benchmarks.md).
     """
     vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    neg_sorted, sorted_ids = jax.lax.sort((-logits, ids), dimension=1, num_keys=1)
+    sorted_logits = -neg_sorted
+    log_norm = jax.nn.logsumexp(sorted_logits, axis=-1, keepdims=True)
+    greedy = sorted_ids[:, 0]
 
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    keys = _order_key(scaled)
-    top_k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), 0)
-    threshold = _filter_threshold(keys, jax.nn.softmax(scaled, axis=-1), top_k, top_p)
-    masked = jnp.where(keys >= threshold[:, None], scaled, -jnp.inf)
+    inv_temperature = 1.0 / jnp.maximum(temperature, 1e-6)[:, None]
+    cutoff = filter_cutoff(sorted_logits * inv_temperature, top_k, top_p)
+    scaled = logits * inv_temperature
+    masked = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
 
     def row_key(seed, counter):
         return jax.random.fold_in(jax.random.PRNGKey(seed), counter)
@@ -89,6 +74,6 @@ def sample(
     sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
     tokens = jnp.where(temperature > 0, sampled, greedy)
 
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, vocab))
-    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    k = min(MAX_LOGPROBS, vocab)
+    token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm[:, 0]
+    return SampleOutput(tokens, token_logprobs, sorted_ids[:, :k], sorted_logits[:, :k] - log_norm)
