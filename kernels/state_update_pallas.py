@@ -246,15 +246,28 @@ def selective_state_update_tpu(
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
-    head_dim: int = 16  # rows of P a program (capped by the largest power of two dividing P)
+    """Tiles of the Triton kernel: a program updates ``tiles`` tiles of ``[head_dim, state]``.
+
+    ``head_dim`` is capped by the largest power of two dividing P (Triton tiles are powers of
+    two); ``tiles`` by the number of such tiles in P (the largest divisor of it not above).
+    """
+
+    head_dim: int = 16  # rows of P a tile
+    tiles: int = 1  # tiles of P a program (all loads issued together)
     state: int = 128  # columns of N a tile
     num_warps: int = 4
     num_stages: int = 1
 
 
+def largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` that is at most ``cap`` (at least 1)."""
+    return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
+
+
 def _gpu_kernel(
     opts: _Options,
     bp: int,
+    tiles: int,
     bn: int,
     heads_per_group: int,
     slots_ref,
@@ -270,28 +283,35 @@ def _gpu_kernel(
     pblk, head, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[row]
     group = jax.lax.div(head, heads_per_group)
-    p = pl.ds(pl.multiple_of(pblk * bp, bp), bp)
+    ps = [pl.ds(pl.multiple_of((pblk * tiles + i) * bp, bp), bp) for i in range(tiles)]
+    ns = [pl.ds(n0, bn) for n0 in range(0, state_ref.shape[-1], bn)]
+    # Every load is issued before anything waits on one, the state first: the slot is then
+    # the only latency in front of the state (processing dt first would add a second).
+    h = [[state_ref[slot, head, p, n] for n in ns] for p in ps]
+    xs = [x_ref[row, head, p] for p in ps]
+    zs = [None if z_ref is None else z_ref[row, head, p] for p in ps]
+    bs = [b_ref[row, group, n] for n in ns]
+    cs = [c_ref[row, group, n] for n in ns]
     dt = dt_ref[row, head].astype(_F32)
-    dt = _process_dt(
-        dt, None if bias_ref is None else bias_ref[head].astype(_F32), opts.dt_softplus,
-        opts.dt_limit,
-    )  # fmt: skip
-    decay = jnp.exp(dt * a_ref[head].astype(_F32))
-    x = x_ref[row, head, p].astype(_F32)  # [bp]
-    dtx = (dt * x)[:, None]  # [bp, 1]
-    y = jnp.zeros((bp,), _F32)
-    for n0 in range(0, state_ref.shape[-1], bn):
-        n = pl.ds(n0, bn)
-        h = state_ref[slot, head, p, n].astype(_F32)  # [bp, bn]
-        h = decay * h + dtx * b_ref[row, group, n].astype(_F32)[None, :]
-        state_out_ref[slot, head, p, n] = h.astype(state_out_ref.dtype)
-        y = y + jnp.sum(h * c_ref[row, group, n].astype(_F32)[None, :], axis=1)
-    if d_ref is not None:
-        y = y + d_ref[head].astype(_F32) * x
-    if z_ref is not None:
-        zv = z_ref[row, head, p].astype(_F32)
-        y = y * (zv * jax.nn.sigmoid(zv))
-    y_ref[row, head, p] = y.astype(y_ref.dtype)
+    bias = None if bias_ref is None else bias_ref[head].astype(_F32)
+    skip = None if d_ref is None else d_ref[head].astype(_F32)
+    a = a_ref[head].astype(_F32)
+    dt = _process_dt(dt, bias, opts.dt_softplus, opts.dt_limit)
+    decay = jnp.exp(dt * a)
+    for i, p in enumerate(ps):
+        x = xs[i].astype(_F32)  # [bp]
+        dtx = (dt * x)[:, None]  # [bp, 1]
+        y = jnp.zeros((bp,), _F32)
+        for j, n in enumerate(ns):
+            hij = decay * h[i][j].astype(_F32) + dtx * bs[j].astype(_F32)[None, :]
+            state_out_ref[slot, head, p, n] = hij.astype(state_out_ref.dtype)
+            y = y + jnp.sum(hij * cs[j].astype(_F32)[None, :], axis=1)
+        if skip is not None:
+            y = y + skip * x
+        if zs[i] is not None:
+            zv = zs[i].astype(_F32)
+            y = y * (zv * jax.nn.sigmoid(zv))
+        y_ref[row, head, p] = y.astype(y_ref.dtype)
 
 
 def selective_state_update_gpu(
@@ -315,14 +335,15 @@ def selective_state_update_gpu(
     rows, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     bp = pow2_divisor(head_dim, bs.head_dim)
+    tiles = largest_divisor(head_dim // bp, bs.tiles)
     bn = pow2_divisor(state_size, bs.state)
     opts = _Options(D is not None, z is not None, dt_bias is not None, dt_softplus, dt_limit)
     optional = [a for a in (D, z, dt_bias) if a is not None]
-    kernel = functools.partial(_gpu_kernel, opts, bp, bn, num_heads // num_groups)
+    kernel = functools.partial(_gpu_kernel, opts, bp, tiles, bn, num_heads // num_groups)
     y, new_state = pl.pallas_call(
         kernel,
         # P blocks vary fastest: neighbouring programs stream one slot's contiguous state.
-        grid=(head_dim // bp, num_heads, rows),
+        grid=(head_dim // (bp * tiles), num_heads, rows),
         out_shape=[
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
