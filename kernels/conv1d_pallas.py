@@ -12,9 +12,13 @@ windows as outputs). Each token's taps before its sequence's first token come fr
 initial state, so the kernels need each token's sequence start (``token_seq_ids``, an O(T)
 XLA op). The final and tracked windows are O(S·K·D) gathers done in XLA beside the kernel.
 
-* GPU: grid ``(T / bt, D / bd)``; a program walks its ``bt`` tokens in order, keeping the
-  K-1 previous rows in registers, so x is read once and y written once; taps before the
-  sequence start read the initial state (masked loads, no traffic when masked off).
+* GPU: grid ``(T / bt, D / bd)``; a program's ``bt`` tokens are unrolled: it loads its
+  K-1+bt rows of x, their sequence starts and the weights up front, then computes and
+  stores each token, taps before the sequence start counting zero. With initial states,
+  a token within K-1 of its sequence start is recomputed under a branch with its taps from
+  the initial state (masked loads) and stored again. The earlier version walked the tokens
+  in a loop carrying the window in registers: each iteration waited on its own loads (x,
+  the start, the sequence id for the initial-state address), one memory latency per token.
 * TPU: grid ``(T / bt, D / bd)`` over 2-D tiles. The tile and the 8 rows before it (a
   second, 8-row BlockSpec on x) go to a VMEM buffer; tap k is the buffer read at a static
   row offset, masked where it falls before the token's sequence start. The initial-state

@@ -10,18 +10,23 @@ on it, which is harmless because nothing reads it.
   while this one computes. ``hb`` heads share one B/C group. x, z, y, B, C move as whole
   rows (``[H, P]``, ``[G, N]``: no padding of small dims in HBM); the per-head scalars
   (processed dt, exp(dt A), D) are read from SMEM.
-* GPU: grid ``(P / bp, H, B)``, one ``[bp, N]`` state tile a program; Triton needs
-  power-of-two tiles, so ``bp`` is the largest power of two dividing P (16 for P = 80) and N
-  is walked in power-of-two tiles when it is not one.
+* GPU: grid ``(P / (bp * tiles), H, B)``: a program updates ``tiles`` state tiles
+  ``[bp, N]`` of one (slot, head). Triton needs power-of-two tiles, so ``bp`` is the largest
+  power of two dividing P (16 for P = 80) and N is walked in power-of-two tiles when it is
+  not one. Every load (state first, then x, B, C and the per-head scalars) is issued right
+  after the slot id arrives and before any arithmetic: processing dt before loading the
+  state put a second dependent memory latency in front of the state in every program.
 
-GPU lowering: Pallas' Triton lowering, for this op and the conv kernels. They are gathers by
-slot with no matrix work: a program needs a scalar load (its slot) and then plain pointer
-loads and stores, which the Triton lowering expresses directly, and it runs on Ampere and
-Hopper alike. A Mosaic GPU version (TMA copies by slot, warpgroup layouts) was not written
-or measured; it pays off when tensor cores or TMA pipelining matter, which here they do
-not. Measured on the H200 (scripts/bench_kernels.py, Nemotron-Nano-9B-v2 shapes): 81 % of
-the 4.3 TB/s roofline at batch 256 (SGLang's Triton kernel: 90 %); the tile shape (16 or 8
-rows of P, 1-8 warps) moves it by less than the run-to-run spread.
+GPU lowering, per op (issue 4: Mosaic GPU or the Triton lowering). The Triton lowering is
+the default for this op and the conv kernels: they are gathers by slot with no matrix work,
+a program needs a scalar load (its slot) and then plain pointer loads and stores with any
+tile shape, which the Triton lowering expresses directly (on Ampere and Hopper alike). The
+Mosaic GPU version of this op (``state_update_mosaic_gpu.py``) is held to the WGMMA
+register layout, 64-row tiles, so P = 80 forces per-row factors precomputed in XLA (~2 % more
+traffic and one more launch a step); it lowers with jax 0.10 and 0.11 but has not been
+timed on the H200 yet (``scripts/bench_kernels.py --sweep`` times it beside these tiles),
+so dispatch keeps the Triton kernel. Last measured (before the load-order change, with the
+old scan timing): 81 % of the 4.3 TB/s roofline at batch 256, SGLang's Triton kernel 90 %.
 """
 
 from __future__ import annotations

@@ -5,13 +5,24 @@ activations, fp32 SSM state, bf16 conv state. Per case: our Pallas kernel, the X
 (``impl="ref"``), SGLang 0.5.23's Triton kernel (if importable), their ratio, and our fraction
 of the roofline (bytes / 4.3 TB/s, each input read once and each output written once).
 
-Outputs are checked against the reference on the device before timing. Decode cases are
-timed the way each engine runs them: ours as ``steps`` updates inside one jitted program
-(``lax.scan``; our decode step is one XLA program), SGLang's as ``steps`` launches captured
-in one CUDA graph; each step touches other slots, so the state is not served from L2.
-Prefill cases rotate two input sets (2 x 400 MB). Median of ``--reps`` timings.
+Outputs are checked against the reference on the device before timing (every variant too).
+Decode cases run ``steps`` updates as one jitted program in which each step is exactly one
+kernel launch: each step's inputs are separate arguments and each output a separate result.
+SGLang's are ``steps`` launches captured in one CUDA graph. (The earlier ``lax.scan`` over
+stacked inputs added a slice of every input and an update of the stacked output around each
+kernel: up to three launches a step and, for the conv update at batch 256, 25 MB of copies
+against the kernel's 50 MB; ``--scan`` still times ours that way, to show the difference.)
+Each step touches other slots, so the state is not served from L2. Our programs are timed
+as several calls dispatched back to back and one sync (host dispatch overlaps the device,
+as graph replay does); each case prints whether XLA put the program into a CUDA graph
+(command buffer). Prefill cases rotate two input sets (2 x 400 MB). Median of ``--reps``.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.sgl python scripts/bench_kernels.py
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD/.sgl:$PWD \
+        python3 scripts/bench_kernels.py --reps 10 --sweep --scan
+
+``--sweep`` adds the block-size variants of the Triton kernels and the Mosaic GPU state
+update (``kernels/state_update_mosaic_gpu.py``); a variant that fails to compile or
+mismatches the reference is reported and skipped.
 
 SGLang's files are not part of this repo: unpack ``sglang/kernels/ops/mamba/triton_ops/
 mamba_ssm.py`` and ``sglang/kernels/ops/mamba/causal_conv1d_triton.py`` from the
