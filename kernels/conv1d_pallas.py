@@ -12,9 +12,13 @@ windows as outputs). Each token's taps before its sequence's first token come fr
 initial state, so the kernels need each token's sequence start (``token_seq_ids``, an O(T)
 XLA op). The final and tracked windows are O(S·K·D) gathers done in XLA beside the kernel.
 
-* GPU: grid ``(T / bt, D / bd)``; a program walks its ``bt`` tokens in order, keeping the
-  K-1 previous rows in registers, so x is read once and y written once; taps before the
-  sequence start read the initial state (masked loads, no traffic when masked off).
+* GPU: grid ``(T / bt, D / bd)``; a program's ``bt`` tokens are unrolled: it loads its
+  K-1+bt rows of x, their sequence starts and the weights up front, then computes and
+  stores each token, taps before the sequence start counting zero. With initial states,
+  a token within K-1 of its sequence start is recomputed under a branch with its taps from
+  the initial state (masked loads) and stored again. The earlier version walked the tokens
+  in a loop carrying the window in registers: each iteration waited on its own loads (x,
+  the start, the sequence id for the initial-state address), one memory latency per token.
 * TPU: grid ``(T / bt, D / bd)`` over 2-D tiles. The tile and the 8 rows before it (a
   second, 8-row BlockSpec on x) go to a VMEM buffer; tap k is the buffer read at a static
   row offset, masked where it falls before the token's sequence start. The initial-state
@@ -173,9 +177,9 @@ def causal_conv1d_update_gpu(
 class ConvVarlenBlockSizes:
     tpu_tokens: int = 256
     tpu_channels: int = 512
-    gpu_tokens: int = 64
-    gpu_channels: int = 1024
-    gpu_num_warps: int = 4
+    gpu_tokens: int = 16
+    gpu_channels: int = 512
+    gpu_num_warps: int = 2
     gpu_num_stages: int = 1
 
 
@@ -219,33 +223,61 @@ def _varlen_gpu_kernel(
     (y_ref,) = rest
     t0 = pl.program_id(0) * bt
     d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    ragged = num_tokens % bt != 0  # the last tile runs past T: clamp its reads, mask its writes
+
+    def token(i):  # row of x for token t0 + i, i >= -(K-1), clamped into [0, T)
+        t = t0 + i
+        if i < 0:
+            t = jnp.maximum(t, 0)  # only the first tile clamps; those taps are masked below
+        return jnp.minimum(t, num_tokens - 1) if ragged else t
+
+    # The tokens are unrolled and every load is issued up front (the tile's K-1+bt rows of x,
+    # its sequence starts, the weights): one memory latency per program instead of one per
+    # token, as a loop carrying the window in registers would have.
+    rows = [x_ref[token(i), d] for i in range(-(k - 1), bt)]
+    starts = [start_ref[token(i)] for i in range(bt)]
     w = [w_ref[tap, d].astype(_F32) for tap in range(k)]
     b = jnp.zeros((bd,), _F32) if bias_ref is None else bias_ref[d].astype(_F32)
-    # Rows before t0 (clamped at 0: a clamped row is always before its token's sequence start).
-    window = tuple(
-        x_ref[jnp.maximum(t0 - (k - 1) + tap, 0), d].astype(_F32) for tap in range(k - 1)
-    )
 
-    def body(i, window):
-        t = t0 + i
-        start = start_ref[t]
-        xt = x_ref[t, d].astype(_F32)
-        acc = b + w[k - 1] * xt
+    def store(i, acc):
+        out = _silu(acc, activation).astype(y_ref.dtype)
+        if ragged:
+            mask = jnp.broadcast_to(t0 + i < num_tokens, (bd,))
+            pltriton.store(y_ref.at[token(i), d], out, mask=mask)
+        else:
+            y_ref[t0 + i, d] = out
+
+    # Taps before a token's sequence start contribute zero here; with initial states, the
+    # first K-1 tokens of each sequence are redone below (rare: K-1 tokens a sequence).
+    for i in range(bt):
+        acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
         for tap in range(k - 1):
-            src = t - (k - 1) + tap
-            in_seq = src >= start
-            if init_ref is None:
-                prev = jnp.where(in_seq, window[tap], 0.0)
-            else:
+            in_seq = t0 + i - (k - 1) + tap >= starts[i]
+            acc = acc + w[tap] * jnp.where(in_seq, rows[i + tap].astype(_F32), 0.0)
+        store(i, acc)
+
+    if init_ref is None:
+        return
+
+    def redo_with_initial_state(i):
+        t, start = t0 + i, starts[i]
+
+        @pl.when(t - start < k - 1)
+        def _():
+            seq = seq_ref[token(i)]
+            acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
+            for tap in range(k - 1):
+                src = t - (k - 1) + tap
+                in_seq = src >= start
                 row = jnp.clip(k - 1 + src - start, 0, k - 2)
                 mask = jnp.broadcast_to(jnp.logical_not(in_seq), (bd,))
-                init = pltriton.load(init_ref.at[seq_ref[t], row, d], mask=mask, other=0.0)
-                prev = jnp.where(in_seq, window[tap], init.astype(_F32))
-            acc = acc + w[tap] * prev
-        y_ref[t, d] = _silu(acc, activation).astype(y_ref.dtype)
-        return (*window[1:], xt)
+                init = pltriton.load(init_ref.at[seq, row, d], mask=mask, other=0.0)
+                prev = jnp.where(in_seq, rows[i + tap].astype(_F32), init.astype(_F32))
+                acc = acc + w[tap] * prev
+            store(i, acc)
 
-    jax.lax.fori_loop(0, jnp.minimum(bt, num_tokens - t0), body, window)
+    for i in range(bt):
+        redo_with_initial_state(i)
 
 
 def causal_conv1d_varlen_gpu(

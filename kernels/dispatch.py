@@ -16,6 +16,13 @@ Every public op takes ``impl``:
 * ``"auto_tpu"`` / ``"auto_gpu"``: ``"auto"`` for a named target platform — the kernel where
   the op has one for it, else the reference. A whole model mixes ops with and without
   kernels, so this is what exporting a model step for another platform uses.
+
+Pallas GPU lowering, per op: every CUDA kernel here is Triton-lowered. The decode state
+update also has a Mosaic GPU kernel (``state_update_mosaic_gpu``): written to compare the two
+lowerings on a bandwidth-bound op, not picked by ``"auto"`` until it is measured to beat the
+Triton kernel on the H200 (its 64-row register layout costs an XLA pre-pass at P = 80; see
+that module). The conv and SSD kernels are gathers / sequential scans with per-program scalar
+indexing and arbitrary power-of-two tiles, which the Triton lowering expresses directly.
 """
 
 from __future__ import annotations

@@ -10,18 +10,23 @@ on it, which is harmless because nothing reads it.
   while this one computes. ``hb`` heads share one B/C group. x, z, y, B, C move as whole
   rows (``[H, P]``, ``[G, N]``: no padding of small dims in HBM); the per-head scalars
   (processed dt, exp(dt A), D) are read from SMEM.
-* GPU: grid ``(P / bp, H, B)``, one ``[bp, N]`` state tile a program; Triton needs
-  power-of-two tiles, so ``bp`` is the largest power of two dividing P (16 for P = 80) and N
-  is walked in power-of-two tiles when it is not one.
+* GPU: grid ``(P / (bp * tiles), H, B)``: a program updates ``tiles`` state tiles
+  ``[bp, N]`` of one (slot, head). Triton needs power-of-two tiles, so ``bp`` is the largest
+  power of two dividing P (16 for P = 80) and N is walked in power-of-two tiles when it is
+  not one. Every load (state first, then x, B, C and the per-head scalars) is issued right
+  after the slot id arrives and before any arithmetic: processing dt before loading the
+  state put a second dependent memory latency in front of the state in every program.
 
-GPU lowering: Pallas' Triton lowering, for this op and the conv kernels. They are gathers by
-slot with no matrix work: a program needs a scalar load (its slot) and then plain pointer
-loads and stores, which the Triton lowering expresses directly, and it runs on Ampere and
-Hopper alike. A Mosaic GPU version (TMA copies by slot, warpgroup layouts) was not written
-or measured; it pays off when tensor cores or TMA pipelining matter, which here they do
-not. Measured on the H200 (scripts/bench_kernels.py, Nemotron-Nano-9B-v2 shapes): 81 % of
-the 4.3 TB/s roofline at batch 256 (SGLang's Triton kernel: 90 %); the tile shape (16 or 8
-rows of P, 1-8 warps) moves it by less than the run-to-run spread.
+GPU lowering, per op (issue 4: Mosaic GPU or the Triton lowering). The Triton lowering is
+the default for this op and the conv kernels: they are gathers by slot with no matrix work,
+a program needs a scalar load (its slot) and then plain pointer loads and stores with any
+tile shape, which the Triton lowering expresses directly (on Ampere and Hopper alike). The
+Mosaic GPU version of this op (``state_update_mosaic_gpu.py``) is held to the WGMMA
+register layout, 64-row tiles, so P = 80 forces per-row factors precomputed in XLA (~2 % more
+traffic and one more launch a step); it lowers with jax 0.10 and 0.11 but has not been
+timed on the H200 yet (``scripts/bench_kernels.py --sweep`` times it beside these tiles),
+so dispatch keeps the Triton kernel. Last measured (before the load-order change, with the
+old scan timing): 81 % of the 4.3 TB/s roofline at batch 256, SGLang's Triton kernel 90 %.
 """
 
 from __future__ import annotations
@@ -246,15 +251,28 @@ def selective_state_update_tpu(
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
-    head_dim: int = 16  # rows of P a program (capped by the largest power of two dividing P)
+    """Tiles of the Triton kernel: a program updates ``tiles`` tiles of ``[head_dim, state]``.
+
+    ``head_dim`` is capped by the largest power of two dividing P (Triton tiles are powers of
+    two); ``tiles`` by the number of such tiles in P (the largest divisor of it not above).
+    """
+
+    head_dim: int = 16  # rows of P a tile
+    tiles: int = 1  # tiles of P a program (all loads issued together)
     state: int = 128  # columns of N a tile
     num_warps: int = 4
     num_stages: int = 1
 
 
+def largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` that is at most ``cap`` (at least 1)."""
+    return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
+
+
 def _gpu_kernel(
     opts: _Options,
     bp: int,
+    tiles: int,
     bn: int,
     heads_per_group: int,
     slots_ref,
@@ -270,28 +288,35 @@ def _gpu_kernel(
     pblk, head, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[row]
     group = jax.lax.div(head, heads_per_group)
-    p = pl.ds(pl.multiple_of(pblk * bp, bp), bp)
+    ps = [pl.ds(pl.multiple_of((pblk * tiles + i) * bp, bp), bp) for i in range(tiles)]
+    ns = [pl.ds(n0, bn) for n0 in range(0, state_ref.shape[-1], bn)]
+    # Every load is issued before anything waits on one, the state first: the slot is then
+    # the only latency in front of the state (processing dt first would add a second).
+    h = [[state_ref[slot, head, p, n] for n in ns] for p in ps]
+    xs = [x_ref[row, head, p] for p in ps]
+    zs = [None if z_ref is None else z_ref[row, head, p] for p in ps]
+    bs = [b_ref[row, group, n] for n in ns]
+    cs = [c_ref[row, group, n] for n in ns]
     dt = dt_ref[row, head].astype(_F32)
-    dt = _process_dt(
-        dt, None if bias_ref is None else bias_ref[head].astype(_F32), opts.dt_softplus,
-        opts.dt_limit,
-    )  # fmt: skip
-    decay = jnp.exp(dt * a_ref[head].astype(_F32))
-    x = x_ref[row, head, p].astype(_F32)  # [bp]
-    dtx = (dt * x)[:, None]  # [bp, 1]
-    y = jnp.zeros((bp,), _F32)
-    for n0 in range(0, state_ref.shape[-1], bn):
-        n = pl.ds(n0, bn)
-        h = state_ref[slot, head, p, n].astype(_F32)  # [bp, bn]
-        h = decay * h + dtx * b_ref[row, group, n].astype(_F32)[None, :]
-        state_out_ref[slot, head, p, n] = h.astype(state_out_ref.dtype)
-        y = y + jnp.sum(h * c_ref[row, group, n].astype(_F32)[None, :], axis=1)
-    if d_ref is not None:
-        y = y + d_ref[head].astype(_F32) * x
-    if z_ref is not None:
-        zv = z_ref[row, head, p].astype(_F32)
-        y = y * (zv * jax.nn.sigmoid(zv))
-    y_ref[row, head, p] = y.astype(y_ref.dtype)
+    bias = None if bias_ref is None else bias_ref[head].astype(_F32)
+    skip = None if d_ref is None else d_ref[head].astype(_F32)
+    a = a_ref[head].astype(_F32)
+    dt = _process_dt(dt, bias, opts.dt_softplus, opts.dt_limit)
+    decay = jnp.exp(dt * a)
+    for i, p in enumerate(ps):
+        x = xs[i].astype(_F32)  # [bp]
+        dtx = (dt * x)[:, None]  # [bp, 1]
+        y = jnp.zeros((bp,), _F32)
+        for j, n in enumerate(ns):
+            hij = decay * h[i][j].astype(_F32) + dtx * bs[j].astype(_F32)[None, :]
+            state_out_ref[slot, head, p, n] = hij.astype(state_out_ref.dtype)
+            y = y + jnp.sum(hij * cs[j].astype(_F32)[None, :], axis=1)
+        if skip is not None:
+            y = y + skip * x
+        if zs[i] is not None:
+            zv = zs[i].astype(_F32)
+            y = y * (zv * jax.nn.sigmoid(zv))
+        y_ref[row, head, p] = y.astype(y_ref.dtype)
 
 
 def selective_state_update_gpu(
@@ -315,14 +340,15 @@ def selective_state_update_gpu(
     rows, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     bp = pow2_divisor(head_dim, bs.head_dim)
+    tiles = largest_divisor(head_dim // bp, bs.tiles)
     bn = pow2_divisor(state_size, bs.state)
     opts = _Options(D is not None, z is not None, dt_bias is not None, dt_softplus, dt_limit)
     optional = [a for a in (D, z, dt_bias) if a is not None]
-    kernel = functools.partial(_gpu_kernel, opts, bp, bn, num_heads // num_groups)
+    kernel = functools.partial(_gpu_kernel, opts, bp, tiles, bn, num_heads // num_groups)
     y, new_state = pl.pallas_call(
         kernel,
         # P blocks vary fastest: neighbouring programs stream one slot's contiguous state.
-        grid=(head_dim // bp, num_heads, rows),
+        grid=(head_dim // (bp * tiles), num_heads, rows),
         out_shape=[
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),

@@ -5,13 +5,24 @@ activations, fp32 SSM state, bf16 conv state. Per case: our Pallas kernel, the X
 (``impl="ref"``), SGLang 0.5.23's Triton kernel (if importable), their ratio, and our fraction
 of the roofline (bytes / 4.3 TB/s, each input read once and each output written once).
 
-Outputs are checked against the reference on the device before timing. Decode cases are
-timed the way each engine runs them: ours as ``steps`` updates inside one jitted program
-(``lax.scan``; our decode step is one XLA program), SGLang's as ``steps`` launches captured
-in one CUDA graph; each step touches other slots, so the state is not served from L2.
-Prefill cases rotate two input sets (2 x 400 MB). Median of ``--reps`` timings.
+Outputs are checked against the reference on the device before timing (every variant too).
+Decode cases run ``steps`` updates as one jitted program in which each step is exactly one
+kernel launch: each step's inputs are separate arguments and each output a separate result.
+SGLang's are ``steps`` launches captured in one CUDA graph. (The earlier ``lax.scan`` over
+stacked inputs added a slice of every input and an update of the stacked output around each
+kernel: up to three launches a step and, for the conv update at batch 256, 25 MB of copies
+against the kernel's 50 MB; ``--scan`` still times ours that way, to show the difference.)
+Each step touches other slots, so the state is not served from L2. Our programs are timed
+as several calls dispatched back to back and one sync (host dispatch overlaps the device,
+as graph replay does); each case prints whether XLA put the program into a CUDA graph
+(command buffer). Prefill cases rotate two input sets (2 x 400 MB). Median of ``--reps``.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.sgl python scripts/bench_kernels.py
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD/.sgl:$PWD \
+        python3 scripts/bench_kernels.py --reps 10 --sweep --scan
+
+``--sweep`` adds the block-size variants of the Triton kernels and the Mosaic GPU state
+update (``kernels/state_update_mosaic_gpu.py``); a variant that fails to compile or
+mismatches the reference is reported and skipped.
 
 SGLang's files are not part of this repo: unpack ``sglang/kernels/ops/mamba/triton_ops/
 mamba_ssm.py`` and ``sglang/kernels/ops/mamba/causal_conv1d_triton.py`` from the
@@ -34,11 +45,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 try:
-    from jaxmamba.kernels import (  # noqa: E402  # noqa: E402
+    from jaxmamba.kernels import (  # noqa: E402
         causal_conv1d_update,
         causal_conv1d_varlen,
         conv1d_pallas,
         selective_state_update,
+        state_update_mosaic_gpu,
         state_update_pallas,
     )
 except ImportError:  # not installed (the GPU machine): the repo root is on sys.path
@@ -47,6 +59,7 @@ except ImportError:  # not installed (the GPU machine): the repo root is on sys.
         causal_conv1d_varlen,
         conv1d_pallas,
         selective_state_update,
+        state_update_mosaic_gpu,
         state_update_pallas,
     )
 
@@ -54,6 +67,7 @@ H, P, G, N, DIM, K = 128, 80, 8, 128, 12288, 4
 HBM = 4.3e12  # bytes/s, measured D2D copy on this H200 (DESIGN §8)
 ACT = jnp.bfloat16
 IMPL = "pallas"  # --smoke: "interpret" at toy shapes, to check this script on CPU
+SMOKE = False
 
 try:
     import torch
@@ -86,15 +100,77 @@ def check(name, ours, ref, tol):
         raise SystemExit(f"{name}: output mismatch")
 
 
-def median_time(fn, reps: int) -> float:
-    fn()  # warm-up (compile, autotune, graph upload)
-    fn()
+def median_time(fn, reps: int, calls: int = 1) -> float:
+    """Median wall time of ``calls`` back-to-back calls of ``fn`` (which must not block);
+    one sync per repetition, so host dispatch overlaps the device work, as graph replay
+    does for SGLang."""
+    jax.block_until_ready(fn())  # warm-up (compile, autotune)
+    jax.block_until_ready(fn())
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        out = [fn() for _ in range(calls)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+def uses_command_buffer(jitted, *args) -> bool:
+    """Whether XLA put the program's kernels into a CUDA graph (a command-buffer thunk)."""
+    return "command_buffer" in jitted.lower(*args).compile().as_text()
+
+
+def decode_program(op, steps: int):
+    """``steps`` calls of ``op(pool, *inputs_i) -> (y_i, pool)`` in one jitted program.
+
+    Each step's inputs are separate arguments and each ``y_i`` a separate output, so the
+    program is exactly ``steps`` kernel launches, like SGLang's captured graph: no slice of
+    stacked inputs or update of a stacked output per step (a ``lax.scan`` adds both).
+    """
+
+    step = jax.jit(op)  # one lowering of the kernel, called ``steps`` times
+
+    def run(pool, inputs):
+        ys = []
+        for step_inputs in inputs:
+            y, pool = step(pool, *step_inputs)
+            ys.append(y)
+        return pool, ys
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def scan_program(op):
+    """The earlier timing: ``lax.scan`` over stacked inputs (a slice and a stacked-output
+    update per step around the kernel), kept to show what that costs."""
+
+    def run(pool, stacked):
+        def body(pool, inp):
+            y, pool = op(pool, *inp)
+            return pool, y
+
+        return jax.lax.scan(body, pool, stacked, unroll=True)
+
+    return jax.jit(run, donate_argnums=0)
+
+
+class Pools:
+    """Donated pools, one per timed program, threaded through its calls."""
+
+    def __init__(self, host_pool, dtype):
+        self.host, self.dtype, self.live = host_pool, dtype, {}
+
+    def fresh(self):
+        return jnp.asarray(self.host, self.dtype)
+
+    def caller(self, key, fn, inputs):
+        self.live[key] = self.fresh()
+
+        def call():
+            self.live[key], ys = fn(self.live[key], inputs)
+            return ys
+
+        return call
 
 
 def torch_time(fn, reps: int) -> float:
@@ -146,11 +222,10 @@ def report(case, ours, xla, sgl, nbytes):
 # --------------------------------------------------------------------------- state update
 
 
-def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None):
+def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None, scan=False):
     variants = variants or {}
     slots_total = 256 if rows <= 32 else 2 * rows  # real slots; the pool has one more (pad)
-    pool = slots_total + 1
-    state = rng.standard_normal((pool, H, P, N), np.float32) * 0.5
+    state = rng.standard_normal((slots_total + 1, H, P, N), np.float32) * 0.5
     x = rng.standard_normal((steps, rows, H, P), np.float32)
     dt = rng.standard_normal((steps, rows, H), np.float32) - 2.0
     bmat = rng.standard_normal((steps, rows, G, N), np.float32)
@@ -161,48 +236,52 @@ def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None):
     perm = rng.permutation(slots_total).astype(np.int32)
     slot_sets = np.stack([np.roll(perm, -i * rows)[:rows] for i in range(steps)])
 
-    jx = [jnp.asarray(v, ACT) for v in (x, dt, bmat, cmat)]
     ja, jd, jbias = (jnp.asarray(v) for v in (a, d, dt_bias))
-    jslots = jnp.asarray(slot_sets)
+    # Per step: its own device arrays (x, dt, B, C, slots), as a decode step receives them.
+    inputs = [
+        (*(jnp.asarray(v[i], ACT) for v in (x, dt, bmat, cmat)), jnp.asarray(slot_sets[i]))
+        for i in range(steps)
+    ]
+    pools = Pools(state, jnp.float32)
 
-    def steps_fn(impl, op=None):
-        op = op or functools.partial(selective_state_update, impl=impl)
+    def step_op(impl=None, kernel=None):
+        kernel = kernel or functools.partial(selective_state_update, impl=impl)
+        return lambda pool, x, dt, b, c, slots: kernel(
+            pool, x, dt, ja, b, c, slots, D=jd, dt_bias=jbias
+        )
 
-        def run(state, xs, dts, bs, cs, slot_sets):
-            def body(state, inp):
-                x, dt, b, c, slots = inp
-                y, state = op(state, x, dt, ja, b, c, slots, D=jd, dt_bias=jbias)
-                return state, y
+    ours_fn, ref_fn = decode_program(step_op(IMPL), steps), decode_program(step_op("ref"), steps)
+    ref_pool, ref_ys = ref_fn(pools.fresh(), inputs)
+    ref_y = jnp.stack(ref_ys).astype(jnp.float32)
 
-            return jax.lax.scan(body, state, (xs, dts, bs, cs, slot_sets), unroll=True)
+    def checked(name, fn):
+        pool, ys = fn(pools.fresh(), inputs)
+        check(f"ssu bs{rows} {name} y", jnp.stack(ys).astype(jnp.float32), ref_y, 1e-2)
+        check(f"ssu bs{rows} {name} state", pool, ref_pool, 1e-4)
 
-        return jax.jit(run, donate_argnums=0)
-
-    ours_fn, ref_fn = steps_fn(IMPL), steps_fn("ref")
-    # Check one step on device: ours against the reference, on fresh pools.
-    s0 = jnp.asarray(state)
-    ys_ref = ref_fn(jnp.asarray(state), *jx, jslots)
-    ys_ours = ours_fn(s0, *jx, jslots)
-    check(f"ssu bs{rows} y", ys_ours[1].astype(jnp.float32), ys_ref[1].astype(jnp.float32), 1e-2)
-    check(f"ssu bs{rows} state", ys_ours[0], ys_ref[0], 1e-4)
-
-    holder = {"ours": ys_ours[0], "ref": ys_ref[0]}
-
-    def timed(key, fn):
-        def call():
-            holder[key], ys = fn(holder[key], *jx, jslots)
-            ys.block_until_ready()
-
-        return median_time(call, reps) / steps
-
-    ours = timed("ours", ours_fn)
-    xla = timed("ref", ref_fn)
+    checked("ours", ours_fn)
+    graphed = uses_command_buffer(ours_fn, pools.fresh(), inputs) if not SMOKE else False
+    calls = max(1, 16 // steps)
+    timed = lambda key, fn: median_time(pools.caller(key, fn, inputs), reps, calls) / steps  # noqa: E731
+    ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
     nbytes = 2 * rows * H * P * N * 4 + rows * (2 * H * P + H + 2 * G * N) * 2
-    for name, op in variants.items():
-        holder[name] = jnp.asarray(state)
-        t = timed(name, steps_fn(None, op))
+    print(f"    ours: XLA command buffer (CUDA graph) = {graphed}")
+    if scan:
+        stacked = tuple(jnp.stack(v) for v in zip(*inputs, strict=True))
+        t = median_time(pools.caller("scan", scan_program(step_op(IMPL)), stacked), reps) / steps
+        print(
+            f"    ours timed the earlier way (lax.scan, stacked inputs/outputs): {t * 1e6:.1f} us"
+        )
+    for name, kernel in variants.items():
+        try:
+            fn = decode_program(step_op(kernel=kernel), steps)
+            checked(name, fn)
+            t = timed(name, fn)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
+            continue
         print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
-    holder.clear()
+    pools.live.clear()
 
     sgl = None
     if HAVE_SGL:
@@ -223,9 +302,7 @@ def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None):
 
         sgl_step(0)
         torch.cuda.synchronize()
-        y0 = outs[0].float().cpu().numpy()
-        ref_y0 = np.asarray(ys_ref[1][0].astype(jnp.float32))
-        check(f"sglang ssu bs{rows} y (step 0)", y0, ref_y0, 1e-2)
+        check(f"sglang ssu bs{rows} y (step 0)", outs[0].float().cpu().numpy(), ref_y[0], 1e-2)
         replay = graph_of(lambda: [sgl_step(i) for i in range(steps)])
         sgl = torch_time(replay, reps) / steps
         del tstate
@@ -259,17 +336,26 @@ def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng, variants=None
     check("conv prefill y", out[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-2)
     check("conv prefill final", out[1].astype(jnp.float32), ref[1].astype(jnp.float32), 1e-2)
 
-    def timed(f, n=10):
-        def call():
-            outs = [f(jxs[i % 2]) for i in range(n)]
-            jax.block_until_ready(outs)
-
-        return median_time(call, reps) / n
+    def timed(f):
+        turn = iter(range(1 << 30))
+        return median_time(lambda: f(jxs[next(turn) % 2]), reps, calls=10)
 
     ours, xla = timed(ours_fn), timed(ref_fn)
     nbytes = 2 * tokens * DIM * 2 + num_seqs * 2 * (K - 1) * DIM * 2 + (K + 1) * DIM * 2
     for name, op in variants.items():
-        t = timed(fn(None, op))
+        try:
+            f = fn(None, op)
+            out = f(jxs[0])
+            check(
+                f"conv prefill {name} y",
+                out[0].astype(jnp.float32),
+                ref[0].astype(jnp.float32),
+                1e-2,
+            )
+            t = timed(f)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
+            continue
         print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
 
     sgl = None
@@ -303,7 +389,7 @@ def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng, variants=None
     report(f"conv prefill {num_seqs}x{seqlen}", ours, xla, sgl, nbytes)
 
 
-def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None):
+def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None, scan=False):
     variants = variants or {}
     slots_total = max(1024, 2 * rows)
     pool = rng.standard_normal((slots_total + 1, K - 1, DIM), np.float32)
@@ -312,44 +398,47 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None):
     bias = rng.standard_normal(DIM).astype(np.float32) * 0.1
     perm = rng.permutation(slots_total).astype(np.int32)
     slot_sets = np.stack([np.roll(perm, -i * rows)[:rows] for i in range(steps)])
-    jx, jw, jb = jnp.asarray(x, ACT), jnp.asarray(w, ACT), jnp.asarray(bias, ACT)
-    jslots = jnp.asarray(slot_sets)
+    jw, jb = jnp.asarray(w, ACT), jnp.asarray(bias, ACT)
+    inputs = [(jnp.asarray(x[i], ACT), jnp.asarray(slot_sets[i])) for i in range(steps)]
+    pools = Pools(pool, ACT)
 
-    def steps_fn(impl, op=None):
-        op = op or functools.partial(causal_conv1d_update, impl=impl)
+    def step_op(impl=None, kernel=None):
+        kernel = kernel or functools.partial(causal_conv1d_update, impl=impl)
+        return lambda pool, x, slots: kernel(pool, x, jw, jb, slots)
 
-        def run(pool, xs, slot_sets):
-            def body(pool, inp):
-                x, slots = inp
-                y, pool = op(pool, x, jw, jb, slots)
-                return pool, y
+    ours_fn, ref_fn = decode_program(step_op(IMPL), steps), decode_program(step_op("ref"), steps)
+    ref_pool, ref_ys = ref_fn(pools.fresh(), inputs)
+    ref_y = jnp.stack(ref_ys).astype(jnp.float32)
 
-            return jax.lax.scan(body, pool, (xs, slot_sets), unroll=True)
+    def checked(name, fn):
+        out_pool, ys = fn(pools.fresh(), inputs)
+        check(f"conv update bs{rows} {name} y", jnp.stack(ys).astype(jnp.float32), ref_y, 1e-2)
+        out_pool, want = out_pool.astype(jnp.float32), ref_pool.astype(jnp.float32)
+        check(f"conv update bs{rows} {name} state", out_pool, want, 1e-6)
 
-        return jax.jit(run, donate_argnums=0)
-
-    ours_fn, ref_fn = steps_fn(IMPL), steps_fn("ref")
-    out = ours_fn(jnp.asarray(pool, ACT), jx, jslots)
-    ref = ref_fn(jnp.asarray(pool, ACT), jx, jslots)
-    check(f"conv update bs{rows} y", out[1].astype(jnp.float32), ref[1].astype(jnp.float32), 1e-2)
-    check(
-        f"conv update bs{rows} state", out[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-6
-    )
-    holder = {"ours": out[0], "ref": ref[0]}
-
-    def timed(key, fn):
-        def call():
-            holder[key], ys = fn(holder[key], jx, jslots)
-            ys.block_until_ready()
-
-        return median_time(call, reps) / steps
-
+    checked("ours", ours_fn)
+    graphed = uses_command_buffer(ours_fn, pools.fresh(), inputs) if not SMOKE else False
+    calls = max(1, 64 // steps)
+    timed = lambda key, fn: median_time(pools.caller(key, fn, inputs), reps, calls) / steps  # noqa: E731
     ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
     nbytes = rows * (2 * (K - 1) * DIM * 2 + 2 * DIM * 2) + (K + 1) * DIM * 2
-    for name, op in variants.items():
-        holder[name] = jnp.asarray(pool, ACT)
-        t = timed(name, steps_fn(None, op))
+    print(f"    ours: XLA command buffer (CUDA graph) = {graphed}")
+    if scan:
+        stacked = tuple(jnp.stack(v) for v in zip(*inputs, strict=True))
+        t = median_time(pools.caller("scan", scan_program(step_op(IMPL)), stacked), reps) / steps
+        print(
+            f"    ours timed the earlier way (lax.scan, stacked inputs/outputs): {t * 1e6:.1f} us"
+        )
+    for name, kernel in variants.items():
+        try:
+            fn = decode_program(step_op(kernel=kernel), steps)
+            checked(name, fn)
+            t = timed(name, fn)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
+            continue
         print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
+    pools.live.clear()
 
     sgl = None
     if HAVE_SGL:
@@ -368,8 +457,7 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None):
 
         sgl_step(0)
         torch.cuda.synchronize()
-        ref_y0 = np.asarray(ref[1][0].astype(jnp.float32))
-        check(f"sglang conv update bs{rows} y", ys[0].float().cpu().numpy(), ref_y0, 1e-2)
+        check(f"sglang conv update bs{rows} y", ys[0].float().cpu().numpy(), ref_y[0], 1e-2)
         replay = graph_of(lambda: [sgl_step(i) for i in range(steps)])
         sgl = torch_time(replay, reps) / steps
 
@@ -377,34 +465,42 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None):
 
 
 def ssu_variants(smoke: bool):
-    sizes = [(16, 4), (16, 2), (8, 1), (8, 2), (8, 4), (16, 8)]
-    return {
-        f"bp{bp} w{w}": functools.partial(
+    # (rows of P a tile, tiles a program, warps): SGLang-sized tiles, the old default,
+    # fewer/more programs, whole heads a program.
+    sizes = [(4, 1, 4), (4, 1, 2), (8, 1, 4), (8, 1, 2), (16, 1, 4), (16, 1, 8), (16, 5, 4)]
+    sizes += [(16, 5, 8), (8, 10, 4), (8, 5, 4)]
+    variants = {
+        f"triton bp{bp} t{t} w{w}": functools.partial(
             state_update_pallas.selective_state_update_gpu,
             interpret=smoke,
-            block_sizes=state_update_pallas.GpuBlockSizes(head_dim=bp, num_warps=w),
+            block_sizes=state_update_pallas.GpuBlockSizes(head_dim=bp, tiles=t, num_warps=w),
         )
-        for bp, w in sizes
+        for bp, t, w in sizes
     }
+    if not smoke:  # Mosaic GPU has no CPU path
+        mosaic = state_update_mosaic_gpu.selective_state_update_mosaic_gpu
+        variants["mosaic"] = mosaic
+        variants["mosaic auto-barriers"] = functools.partial(mosaic, auto_barriers=True)
+    return variants
 
 
 def conv_prefill_variants(smoke: bool):
-    sizes = [(64, 1024, 4, 1), (64, 1024, 4, 3), (32, 1024, 4, 3), (128, 1024, 4, 3)]
-    sizes += [(64, 512, 4, 3), (64, 2048, 8, 3), (32, 512, 2, 4)]
+    sizes = [(16, 512, 2), (8, 512, 2), (32, 512, 2), (16, 1024, 4), (8, 1024, 4)]
+    sizes += [(16, 256, 1), (32, 256, 1), (32, 1024, 4), (64, 512, 4)]
     return {
-        f"bt{bt} bd{bd} w{w} s{st}": functools.partial(
+        f"bt{bt} bd{bd} w{w}": functools.partial(
             conv1d_pallas.causal_conv1d_varlen_gpu,
             interpret=smoke,
             block_sizes=conv1d_pallas.ConvVarlenBlockSizes(
-                gpu_tokens=bt, gpu_channels=bd, gpu_num_warps=w, gpu_num_stages=st
+                gpu_tokens=bt, gpu_channels=bd, gpu_num_warps=w
             ),
         )
-        for bt, bd, w, st in sizes
+        for bt, bd, w in sizes
     }
 
 
 def conv_update_variants(smoke: bool):
-    sizes = [(256, 2), (128, 1), (512, 4), (1024, 4), (2048, 8)]
+    sizes = [(64, 1), (128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4), (2048, 8)]
     return {
         f"bd{bd} w{w}": functools.partial(
             conv1d_pallas.causal_conv1d_update_gpu,
@@ -423,22 +519,22 @@ def main():
     )
     parser.add_argument("--smoke", action="store_true", help="toy shapes, interpret mode")
     parser.add_argument("--sweep", action="store_true", help="also time GPU block-size variants")
+    parser.add_argument(
+        "--scan", action="store_true", help="also time ours the earlier way (lax.scan)"
+    )
     args = parser.parse_args()
     if args.smoke:
-        global H, P, G, N, DIM, IMPL
-        H, P, G, N, DIM, IMPL = 4, 16, 2, 16, 256, "interpret"
+        global H, P, G, N, DIM, IMPL, SMOKE
+        H, P, G, N, DIM, IMPL, SMOKE = 4, 16, 2, 16, 256, "interpret", True
         args.reps = 2
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
     rng = np.random.default_rng(0)
     cases = args.cases.split(",")
     if "ssu" in cases:
-        for rows, steps in ((1, 256), (8, 32), (32, 8), (256, 4))[: 1 if args.smoke else 4]:
-            variants = (
-                ssu_variants(args.smoke)
-                if args.sweep and (rows in (8, 256) or args.smoke)
-                else None
-            )
-            bench_state_update(rows, 2 if args.smoke else steps, args.reps, rng, variants)
+        for rows, steps in ((1, 256), (8, 32), (32, 8), (256, 8))[: 1 if args.smoke else 4]:
+            variants = ssu_variants(args.smoke) if args.sweep else None
+            steps = 2 if args.smoke else steps
+            bench_state_update(rows, steps, args.reps, rng, variants, args.scan)
     if "conv_prefill" in cases:
         variants = conv_prefill_variants(args.smoke) if args.sweep else None
         if args.smoke:
@@ -448,7 +544,8 @@ def main():
     if "conv_update" in cases:
         for rows, steps in ((1, 256), (256, 16))[: 1 if args.smoke else 2]:
             variants = conv_update_variants(args.smoke) if args.sweep else None
-            bench_conv_update(rows, 2 if args.smoke else steps, args.reps, rng, variants)
+            steps = 2 if args.smoke else steps
+            bench_conv_update(rows, steps, args.reps, rng, variants, args.scan)
     print("\n| case | ours (us) | XLA ref (us) | SGLang (us) | SGLang/ours | roofline (us) | % |")
     print("|---|---|---|---|---|---|---|")
     for case, ours, xla, sgl, roof in ROWS:

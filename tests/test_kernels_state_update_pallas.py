@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 
 from jaxmamba.kernels import selective_state_update, selective_state_update_ref
-from jaxmamba.kernels.state_update_pallas import selective_state_update_gpu
+from jaxmamba.kernels.state_update_pallas import GpuBlockSizes, selective_state_update_gpu
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 KERNELS = {
     "tpu": functools.partial(selective_state_update, impl="interpret"),
     "gpu": functools.partial(selective_state_update_gpu, interpret=True),
+    # Several P tiles a program (5 of 8 rows at P = 80, whole heads at P = 12 and 16).
+    "gpu_tiles": functools.partial(
+        selective_state_update_gpu, interpret=True, block_sizes=GpuBlockSizes(head_dim=8, tiles=5)
+    ),
 }
 
 
