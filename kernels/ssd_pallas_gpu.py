@@ -48,8 +48,7 @@ MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
 class BlockSizes:
     state_block_p: int = 16  # head-dim rows per state-pass program (power of two)
     state_warps: int = 4
-    state_stages: int = 1
-    state_prefetch: bool = True  # load chunk j+1 while chunk j is computed
+    state_stages: int = 3
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
@@ -108,7 +107,6 @@ def _state_kernel(
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     has_init: bool,
-    prefetch: bool,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
@@ -116,7 +114,6 @@ def _state_kernel(
     h, pb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g = lax.div(h, heads_per_group)
     a, bias = a_ref[h], bias_ref[h]
-    num_chunks = lo_ref.shape[0]
     first, seq_chunks = seq_first_ref[s], seq_count_ref[s]
 
     pos = jnp.arange(chunk_size)
@@ -127,9 +124,9 @@ def _state_kernel(
     dot_dtype = x_ref.dtype
 
     def load(j):
-        """Raw tiles of the sequence's chunk j (all masked off when j is past its last chunk)."""
-        chunk = jnp.minimum(first + j, num_chunks - 1)
-        count = jnp.where(j < seq_chunks, count_ref[chunk], 0)
+        """Raw tiles of the sequence's chunk j."""
+        chunk = first + j
+        count = count_ref[chunk]
         rows = pl.ds(lo_ref[chunk], chunk_size)
         t_ok = pos < count
         x = plgpu.load(x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
@@ -172,16 +169,7 @@ def _state_kernel(
         state = state.astype(jnp.float32)
     else:
         state = jnp.zeros((block_p, block_n), jnp.float32)
-    if prefetch:
-
-        def body(j, carry):
-            state, tiles = carry
-            upcoming = load(j + 1)
-            return step(state, tiles), upcoming
-
-        state, _ = lax.fori_loop(0, seq_chunks, body, (state, load(0)))
-    else:
-        state = lax.fori_loop(0, seq_chunks, lambda j, state: step(state, load(j)), state)
+    state = lax.fori_loop(0, seq_chunks, lambda j, state: step(state, load(j)), state)
     plgpu.store(
         final_ref.at[s, h, p_slice, n_slice], state.astype(final_ref.dtype), mask=state_mask
     )
@@ -362,7 +350,6 @@ def ssd_varlen_gpu(
             dt_softplus=dt_softplus,
             dt_limit=tuple(float(v) for v in dt_limit),
             has_init=initial_states is not None,
-            prefetch=bs.state_prefetch,
         ),
         grid=(num_heads, pl.cdiv(head_dim, block_p), num_seqs),
         out_shape=(

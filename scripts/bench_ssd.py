@@ -179,9 +179,8 @@ def sweep():
     base = BlockSizes.get_default()
     state_variants = [
         dict(),
-        dict(state_prefetch=False),
-        dict(state_prefetch=False, state_stages=2),
-        dict(state_prefetch=False, state_stages=3),
+        dict(state_stages=1),
+        dict(state_stages=2),
         dict(state_warps=2),
         dict(state_warps=8),
         dict(state_block_p=32),

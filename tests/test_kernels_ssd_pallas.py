@@ -26,12 +26,9 @@ KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim slices in the state pass, several row blocks per chunk in the output
-    # pass (the causal block walk), and the state pass without prefetching the next chunk.
+    # pass (the causal block walk).
     "gpu_blocks": functools.partial(
         ssd_varlen_gpu, interpret=True, block_sizes=BlockSizes(state_block_p=4, out_block_m=4)
-    ),
-    "gpu_no_prefetch": functools.partial(
-        ssd_varlen_gpu, interpret=True, block_sizes=BlockSizes(state_prefetch=False)
     ),
 }
 
@@ -84,7 +81,7 @@ def test_kernel_matches_recurrence_over_odd_lengths(kernel, case):
     _check_against_recurrence(out, inp, cu, init, starts, dtype)
 
 
-@pytest.mark.parametrize("kernel", ["gpu", "gpu_blocks", "gpu_no_prefetch", "tpu"])
+@pytest.mark.parametrize("kernel", ["gpu", "gpu_blocks", "tpu"])
 def test_kernel_matches_reference_with_state_chunks(kernel):
     """Chunk 16, P 80 split into P blocks, duplicate and unsorted requested chunks."""
     rng = np.random.default_rng(21)
