@@ -65,6 +65,7 @@ CASES = {
     "f32_g1_aligned": (jnp.float32, 4, 10, 1, 12, False, False),
     "bf16_p80_g2_init_unaligned": (jnp.bfloat16, 4, 80, 2, 12, True, True),
     "f32_g4_init_unaligned": (jnp.float32, 4, 6, 4, 20, True, True),
+    "f32_h6_g3_init_unaligned": (jnp.float32, 6, 10, 3, 12, True, True),  # heads not 2^k
 }
 
 
