@@ -25,8 +25,10 @@ SSD = jax.jit(ssd_varlen, static_argnames=("chunk_size", "return_chunk_states", 
 KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
-    "gpu_pblocks": functools.partial(
-        ssd_varlen_gpu, interpret=True, block_sizes=BlockSizes(block_p=4)
+    # Several head-dim slices in the state pass, several row blocks per chunk in the output
+    # pass (the causal block walk).
+    "gpu_blocks": functools.partial(
+        ssd_varlen_gpu, interpret=True, block_sizes=BlockSizes(state_block_p=4, out_block_m=4)
     ),
 }
 
@@ -63,10 +65,11 @@ CASES = {
     "f32_g1_aligned": (jnp.float32, 4, 10, 1, 12, False, False),
     "bf16_p80_g2_init_unaligned": (jnp.bfloat16, 4, 80, 2, 12, True, True),
     "f32_g4_init_unaligned": (jnp.float32, 4, 6, 4, 20, True, True),
+    "f32_h6_g3_init_unaligned": (jnp.float32, 6, 10, 3, 12, True, True),  # heads not 2^k
 }
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", "gpu_blocks"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_recurrence_over_odd_lengths(kernel, case):
     dtype, heads, head_dim, groups, state, with_initial, unaligned = CASES[case]
@@ -79,7 +82,7 @@ def test_kernel_matches_recurrence_over_odd_lengths(kernel, case):
     _check_against_recurrence(out, inp, cu, init, starts, dtype)
 
 
-@pytest.mark.parametrize("kernel", ["gpu", "gpu_pblocks", "tpu"])
+@pytest.mark.parametrize("kernel", ["gpu", "gpu_blocks", "tpu"])
 def test_kernel_matches_reference_with_state_chunks(kernel):
     """Chunk 16, P 80 split into P blocks, duplicate and unsorted requested chunks."""
     rng = np.random.default_rng(21)
