@@ -26,6 +26,13 @@ PAD_ROWS, PAD_TOKENS = 1, 3
 MAX_PAGES = 10
 
 REF = jax.jit(paged_attention_ref, static_argnames=("scale", "block_tokens"))
+# On a GPU machine the Triton kernel also runs compiled, on the same NaN-poisoned steps.
+ON_GPU = jax.default_backend() == "gpu"
+KERNELS = [
+    "tpu",
+    "gpu",
+    pytest.param("gpu_compiled", marks=pytest.mark.skipif(not ON_GPU, reason="needs a GPU")),
+]
 # name: dtype, Hq, Hkv, Dh, page size, GPU block sizes, TPU block sizes
 CASES = {
     "f32_group1": (jnp.float32, 4, 4, 16, 8, GpuBlockSizes(), TpuBlockSizes()),
@@ -113,7 +120,7 @@ def _direct_attention(q, token_rows, positions, row_k, row_v, scale, num_real):
     return out
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_numpy_and_reference_on_mixed_step(kernel, case):
     dtype, q_heads, kv_heads, head_dim, page_size, gpu_sizes, tpu_sizes = CASES[case]
@@ -123,7 +130,8 @@ def test_kernel_matches_numpy_and_reference_on_mixed_step(kernel, case):
     if kernel == "tpu":
         fn = functools.partial(paged_attention_tpu, interpret=True, block_sizes=tpu_sizes)
     else:
-        fn = functools.partial(paged_attention_gpu, interpret=True, block_sizes=gpu_sizes)
+        interpret = kernel == "gpu"
+        fn = functools.partial(paged_attention_gpu, interpret=interpret, block_sizes=gpu_sizes)
     out = jax.jit(functools.partial(fn, scale=scale))(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
     expected = _direct_attention(args[0], args[4], args[5], row_k, row_v, scale, n)
