@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .attention_pallas_gpu import paged_attention_gpu
+from .attention_pallas_tpu import paged_attention_tpu
 from .dispatch import select_impl
 
 
@@ -99,8 +103,13 @@ def paged_attention(
     ``0..token_positions[t]`` (its own K/V already written). Query head h uses KV head
     ``h // (Hq // Hkv)``. Returns ``o [T, Hq, Dh]`` in ``q.dtype``.
 
-    Tokens are processed ``block_tokens`` at a time, each gathering its row's whole page list,
-    so peak memory is ``block_tokens * MP * PS * Hkv * Dh`` per K and V.
+    ``impl`` (see ``dispatch``): the kernels are ``attention_pallas_tpu`` (Mosaic TPU; also what
+    "interpret" runs, under ``pltpu.InterpretParams()``) and ``attention_pallas_gpu``
+    (Triton). They cut the packed tokens into blocks of consecutive tokens of one row and need
+    the layout ``ForwardMetadata`` produces (each row's tokens consecutive, padding tokens last;
+    see ``attention_pallas``). The reference takes any layout: it processes ``block_tokens``
+    tokens at a time, each gathering its row's whole page list, so its peak memory is
+    ``block_tokens * MP * PS * Hkv * Dh`` per K and V.
     """
     if q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(
@@ -123,14 +132,11 @@ def paged_attention(
         )
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    fn = select_impl("paged_attention", impl, ref=paged_attention_ref)
-    return fn(
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        token_rows,
-        token_positions,
-        scale=scale,
-        block_tokens=block_tokens,
+    fn = select_impl(
+        "paged_attention",
+        impl,
+        ref=functools.partial(paged_attention_ref, block_tokens=block_tokens),
+        pallas_tpu=paged_attention_tpu,
+        pallas_gpu=paged_attention_gpu,
     )
+    return fn(q, k_pages, v_pages, page_table, token_rows, token_positions, scale=scale)

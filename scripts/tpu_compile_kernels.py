@@ -4,7 +4,8 @@ Run with a python that has ``jax[tpu]`` (``scripts/setup_tpu_venv.sh``) and the 
 ``PYTHONPATH``; it imports ``kernels`` as a top-level package, so jaxmamba need not be
 installed there. Prints one ``OK <case>`` line per kernel and exits non-zero on the first
 failure. Shapes: Nemotron-Nano-9B-v2's Mamba layer (H 128, P 80, G 8, N 128, conv_dim 12288,
-K 4), bf16 activations, fp32 SSM state, bf16 conv state.
+K 4), bf16 activations, fp32 SSM state, bf16 conv state; its attention layer (40 query / 8 KV
+heads of 128) over a bf16 paged cache of 16-token pages.
 
     PYTHONPATH=. python scripts/tpu_compile_kernels.py [--topology v6e:2x2]
 """
@@ -19,9 +20,15 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update
+from kernels import (
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    paged_attention,
+    selective_state_update,
+)
 
 H, P, G, N, DIM, K = 128, 80, 8, 128, 12288, 4
+HQ, HKV, DH, PAGE, MAX_PAGES = 40, 8, 128, 16, 256
 ACT, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
 
@@ -54,6 +61,16 @@ def cases(slots: int, rows: int, tokens: int, seqs: int):
         [((tokens, DIM), ACT), ((K, DIM), ACT), ((DIM,), ACT), ((seqs + 1,), I32)]
         + [((seqs, K - 1, DIM), ACT), ((seqs,), I32)],
     )
+    attend = functools.partial(paged_attention, scale=DH**-0.5, impl="pallas_tpu")
+    pages = ((rows * MAX_PAGES + 1, PAGE, HKV, DH), ACT)
+    for name, num_tokens, num_rows in (("prefill", tokens, seqs), ("decode", rows, rows)):
+        yield (
+            f"paged_attention_{name}",
+            attend,
+            (),
+            [((num_tokens, HQ, DH), ACT), pages, pages, ((num_rows, MAX_PAGES), I32)]
+            + [((num_tokens,), I32)] * 2,
+        )
 
 
 def main() -> None:

@@ -17,7 +17,12 @@ import pytest
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import ModelRunner, jitted_step
-from jaxmamba.kernels import causal_conv1d_update, causal_conv1d_varlen, selective_state_update
+from jaxmamba.kernels import (
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    paged_attention,
+    selective_state_update,
+)
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params
 
@@ -40,6 +45,17 @@ def _spec(shape, dtype=jnp.bfloat16):
 # Each kernel case: (name, fn(impl) -> jittable, arg specs, donated arg numbers).
 # Nemotron-Nano-9B-v2 Mamba shapes. The SSD scan's kernels go in this list too (ssd_varlen).
 H, P, G, N, D, K, ROWS, SLOTS, T, S = 128, 80, 8, 128, 12288, 4, 8, 17, 512, 4
+# and its attention: 40 query / 8 KV heads of 128, 16-token pages, 64 pages a row.
+HQ, HKV, DH, PS, MP = 40, 8, 128, 16, 64
+PAGES = _spec((S * MP + 1, PS, HKV, DH))
+
+
+def _attention(impl):
+    return lambda q, kp, vp, table, rows, pos: paged_attention(
+        q, kp, vp, table, rows, pos, scale=DH**-0.5, impl=impl
+    )
+
+
 KERNEL_CASES = [
     (
         "selective_state_update",
@@ -69,6 +85,20 @@ KERNEL_CASES = [
         ),
         [_spec((T, D)), _spec((K, D)), _spec((D,)), _spec((S + 1,), jnp.int32)]
         + [_spec((S, K - 1, D)), _spec((S,), jnp.int32)],
+        (),
+    ),
+    (
+        "paged_attention_prefill",
+        _attention,
+        [_spec((T, HQ, DH)), PAGES, PAGES, _spec((S, MP), jnp.int32)]
+        + [_spec((T,), jnp.int32)] * 2,
+        (),
+    ),
+    (
+        "paged_attention_decode",
+        _attention,
+        [_spec((ROWS, HQ, DH)), PAGES, PAGES, _spec((ROWS, MP), jnp.int32)]
+        + [_spec((ROWS,), jnp.int32)] * 2,
         (),
     ),
 ]
@@ -110,7 +140,10 @@ def test_model_step_exports_with_platform_kernels(tiny, platform, step):
     args, kwargs = runner.step_args(inputs, num_decode)
     exported = _export(jitted_step, platform, *args, **kwargs)
     module = exported.mlir_module()
-    # Every Mamba layer calls its conv kernel, and in decode its state-update kernel too.
+    # Every Mamba layer calls its conv kernel, and in decode its state-update kernel too;
+    # every attention layer its paged-attention kernel.
     per_layer = 1 if step == "prefill" else 2
-    assert module.count(MARKERS[platform]) >= per_layer * cfg.num_mamba_layers
+    expected = per_layer * cfg.num_mamba_layers + cfg.num_attention_layers
+    assert module.count(MARKERS[platform]) >= expected
+    assert f"paged_attention_{PLATFORMS[platform]}" in module
     assert exported.platforms == (platform,)

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPECTED = ("selective_state_update", "causal_conv1d_update", "causal_conv1d_varlen")
+EXPECTED = (
+    "selective_state_update",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+    "paged_attention_prefill",
+    "paged_attention_decode",
+)
 
 
 @pytest.fixture(scope="module")
