@@ -194,20 +194,19 @@ def sweep():
         dict(),
         dict(state_stages=1),
         dict(state_stages=2),
-        dict(state_warps=2),
-        dict(state_warps=8),
+        dict(state_block_n=64),
         dict(state_block_p=32),
-        dict(state_block_p=32, state_warps=8),
+        dict(state_block_p=32, state_block_n=64),
     ]
     out_variants = [
         dict(),
         dict(out_stages=1),
         dict(out_stages=3),
         dict(out_warps=8),
-        dict(out_block_m=32),
-        dict(out_block_m=32, out_warps=2),
         dict(out_block_m=128, out_warps=8),
         dict(out_block_m=128, out_warps=4),
+        dict(out_block_m=32),
+        dict(out_block_m=32, out_warps=2),
     ]
 
     def measure(changes, states_only):
