@@ -1,6 +1,6 @@
 """Varlen chunked SSD scan as three Pallas GPU kernels (Triton lowering).
 
-0. **dt pass**, grid ``(NC, H / 16)``: the processed dt, its per-chunk cumsum of ``dt * A`` and
+0. **dt pass**, grid ``(H, NC)``: the processed dt, its per-chunk cumsum of ``dt * A`` and
    each position's weight in its chunk's end state, ``dt exp(cum[-1] - cum)``, all
    ``f32[NC, H, C]`` (tiny next to x).
 1. **State pass**, grid ``(H, P / state_block_p, N / state_block_n, S)``: one program per
@@ -45,7 +45,6 @@ from .ssd import ChunkLayout, build_chunk_layout
 from .ssd_pallas import chunk_meta, gather_tracked
 
 MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
-DT_BLOCK_H = 16  # heads per program of the dt pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,32 +100,26 @@ def _dt_kernel(
     weight_out_ref,  # f32[NC, H, C] dt exp(cum[-1] - cum): weight in the chunk's end state
     *,
     chunk_size: int,
-    num_heads: int,
-    block_h: int,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
 ):
-    chunk, hb = pl.program_id(0), pl.program_id(1)
+    h, chunk = pl.program_id(0), pl.program_id(1)
     count = count_ref[chunk]
 
     @pl.when(count > 0)
     def _():
         pos = jnp.arange(chunk_size)
-        heads = pl.ds(hb * block_h, block_h)
-        h_ok = hb * block_h + jnp.arange(block_h) < num_heads
-        a = plgpu.load(a_ref.at[heads], mask=h_ok, other=0.0)
-        bias = plgpu.load(bias_ref.at[heads], mask=h_ok, other=0.0)
-        mask = (pos < count)[:, None] & h_ok[None, :]
-        dt = plgpu.load(dt_ref.at[pl.ds(lo_ref[chunk], chunk_size), heads], mask=mask, other=0.0)
-        dt = dt.astype(jnp.float32) + bias[None, :]
+        t_ok = pos < count
+        dt = plgpu.load(dt_ref.at[pl.ds(lo_ref[chunk], chunk_size), h], mask=t_ok, other=0.0)
+        dt = dt.astype(jnp.float32) + bias_ref[h]
         if dt_softplus:
             dt = _softplus(dt)
-        dt = jnp.where(mask, jnp.clip(dt, dt_limit[0], dt_limit[1]), 0.0)  # empty: no decay
-        cum = lax.cumsum(dt * a[None, :], axis=0)  # [C, block_h]
-        total = jnp.sum(jnp.where(pos[:, None] == chunk_size - 1, cum, 0.0), axis=0)  # exact
-        weight = dt * jnp.exp(total[None, :] - cum)
-        for out_ref, value in ((dt_out_ref, dt), (cum_out_ref, cum), (weight_out_ref, weight)):
-            plgpu.store(out_ref.at[chunk, heads, :], value.T, mask=h_ok[:, None])
+        dt = jnp.where(t_ok, jnp.clip(dt, dt_limit[0], dt_limit[1]), 0.0)  # empty: no decay
+        cum = lax.cumsum(dt * a_ref[h], axis=0)
+        total = jnp.sum(jnp.where(pos == chunk_size - 1, cum, 0.0))  # cum[-1], exactly
+        dt_out_ref[chunk, h, :] = dt
+        cum_out_ref[chunk, h, :] = cum
+        weight_out_ref[chunk, h, :] = dt * jnp.exp(total - cum)
 
 
 def _state_kernel(
@@ -368,19 +361,16 @@ def ssd_varlen_gpu(
     block_n = _pow2(state_size)
     heads_per_group = num_heads // num_groups
 
-    # Pass 0: dt processing and its per-chunk cumsum, every (chunk, block of heads) at once.
-    block_h = min(DT_BLOCK_H, _pow2(num_heads))
+    # Pass 0: dt processing and its per-chunk cumsum, every (head, chunk) at once.
     per_chunk_head = jax.ShapeDtypeStruct((nc, num_heads, chunk_size), f32)
     dt_chunks, cum_chunks, weight_chunks = pl.pallas_call(
         functools.partial(
             _dt_kernel,
             chunk_size=chunk_size,
-            num_heads=num_heads,
-            block_h=block_h,
             dt_softplus=dt_softplus,
             dt_limit=tuple(float(v) for v in dt_limit),
         ),
-        grid=(nc, pl.cdiv(num_heads, block_h)),
+        grid=(num_heads, nc),
         out_shape=(per_chunk_head,) * 3,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,

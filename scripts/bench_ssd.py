@@ -43,6 +43,9 @@ bound by per-step overhead (dt softplus, a scan and reductions, layout conversio
 reloaded by 80 programs per chunk) at ~2 resident programs per SM; the output pass runs at
 ~140 TFLOP/s and ~1.2 TB/s, exposing several memory latencies per program. See
 docs/ssd_gpu_notes.md for the sweep and the next version (branch ssd-v2, not yet measured).
+
+On branch ssd-v2 the kernel is that next version: the table above is still v1's, and the
+sweep's variant lists are v2's (stages, N split, P block 32, output block_m 32/64/128).
 """
 
 from __future__ import annotations
