@@ -1,21 +1,24 @@
-"""Varlen chunked SSD scan as two Pallas GPU kernels (Triton lowering).
+"""Varlen chunked SSD scan as three Pallas GPU kernels (Triton lowering).
 
-1. **State pass**, grid ``(H, ceil(P / state_block_p), S)``: one program per (head, slice of
-   the head dim, sequence) walks that sequence's chunks in order with the running state
-   ``f32[state_block_p, N]`` in registers. Per chunk it does only what the recurrence needs:
-   the processed dt, its 1-D cumsum times A, and ``state = exp(total) state + (x w)ᵀ B`` (one
-   ``[block_p, C] @ [C, N]`` matmul). It writes each chunk's *entering* state (in the dot dtype:
-   the output pass feeds it to a matmul anyway), the processed dt and cumsum ``f32[NC, H, C]``,
-   the final states and the requested chunk states (state dtype).
+0. **dt pass**, grid ``(H, NC)``: the processed dt, its per-chunk cumsum of ``dt * A`` and
+   each position's weight in its chunk's end state, ``dt exp(cum[-1] - cum)``, all
+   ``f32[NC, H, C]`` (tiny next to x).
+1. **State pass**, grid ``(H, P / state_block_p, N / state_block_n, S)``: one program per
+   (head, state slice, sequence) walks that sequence's chunks in order with its slice of the
+   running state in registers, doing only ``state = exp(cum[-1]) state + (x ∘ weight)ᵀ B``
+   (one small matmul) per chunk. Every address of a step follows from per-sequence scalars,
+   so nothing in the chain waits on a load of metadata. It writes each chunk's *entering*
+   state (in the dot dtype: the output pass feeds it to a matmul anyway), the final states
+   and the requested chunk states (state dtype).
 2. **Output pass**, grid ``(H, C / out_block_m, NC)``: every (head, block of target rows,
    chunk) independently computes
    ``y_i = Σ_{j<=i} (C_i·B_j) exp(cum_i - cum_j) dt_j x_j + exp(cum_i) C_i·state_in + D x_i``,
-   gated by ``silu(z)``, walking only the source blocks at or below the diagonal.
+   gated by ``silu(z)``: the diagonal block from the target block's own rows, then the
+   earlier blocks, unmasked. All loads of the target block are issued first.
 
-Splitting makes the serial chain short (one small matmul per chunk) and leaves the bulk of
-the FLOPs to a pass with ``H * NC * C / out_block_m`` independent programs. The price is the
-entering states' round trip through HBM, ``NC * H * P * N`` dot-dtype elements (as large as x
-when N = C).
+Splitting keeps the serial chain short and leaves the bulk of the FLOPs to a pass with
+``H * NC * C / out_block_m`` independent programs. The price is the entering states' round
+trip through HBM, ``NC * H * P * N`` dot-dtype elements (as large as x when N = C).
 
 Each chunk is read straight from the packed ``[T, ...]`` arrays as a masked window of C rows
 starting at the chunk's first token: no regrouping pass, no padding copy. Triton needs
@@ -47,6 +50,7 @@ MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     state_block_p: int = 16  # head-dim rows per state-pass program (power of two)
+    state_block_n: int = 128  # state columns per state-pass program (power of two)
     state_warps: int = 4
     state_stages: int = 3
     out_block_m: int = 64  # target rows per output-pass program (power of two)
@@ -85,17 +89,50 @@ def _dot(a, b, contract: tuple[int, int]):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _state_kernel(
+def _dt_kernel(
     a_ref,  # f32[H]
     bias_ref,  # f32[H]
+    lo_ref,  # i32[NC] first token of each chunk
+    count_ref,  # i32[NC] tokens in each chunk
+    dt_ref,  # [T, H] raw dt
+    dt_out_ref,  # f32[NC, H, C] processed dt, zero at empty positions
+    cum_out_ref,  # f32[NC, H, C] inclusive cumsum of dt * A
+    weight_out_ref,  # f32[NC, H, C] dt exp(cum[-1] - cum): weight in the chunk's end state
+    *,
+    chunk_size: int,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+):
+    h, chunk = pl.program_id(0), pl.program_id(1)
+    count = count_ref[chunk]
+
+    @pl.when(count > 0)
+    def _():
+        pos = jnp.arange(chunk_size)
+        t_ok = pos < count
+        dt = plgpu.load(dt_ref.at[pl.ds(lo_ref[chunk], chunk_size), h], mask=t_ok, other=0.0)
+        dt = dt.astype(jnp.float32) + bias_ref[h]
+        if dt_softplus:
+            dt = _softplus(dt)
+        dt = jnp.where(t_ok, jnp.clip(dt, dt_limit[0], dt_limit[1]), 0.0)  # empty: no decay
+        cum = lax.cumsum(dt * a_ref[h], axis=0)
+        total = jnp.sum(jnp.where(pos == chunk_size - 1, cum, 0.0))  # cum[-1], exactly
+        dt_out_ref[chunk, h, :] = dt
+        cum_out_ref[chunk, h, :] = cum
+        weight_out_ref[chunk, h, :] = dt * jnp.exp(total - cum)
+
+
+def _state_kernel(
+    seq_start_ref,  # i32[S] first token
+    seq_len_ref,  # i32[S]
     seq_first_ref,  # i32[S] first chunk
     seq_count_ref,  # i32[S] number of chunks
-    lo_ref,  # i32[NC] first token of each chunk
     count_ref,  # i32[NC] tokens in each chunk
     track_ref,  # i32[NC]
     slot_ref,  # i32[NC]
+    cum_ref,  # f32[NC, H, C]
+    weight_ref,  # f32[NC, H, C]
     x_ref,  # [T, H, P]
-    dt_ref,  # [T, H]
     b_ref,  # [T, G, N]
     *rest,
     chunk_size: int,
@@ -104,55 +141,39 @@ def _state_kernel(
     heads_per_group: int,
     block_p: int,
     block_n: int,
-    dt_softplus: bool,
-    dt_limit: tuple[float, float],
     has_init: bool,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
-    dt_out_ref, cum_out_ref, entering_ref, final_ref, tracked_ref = rest
-    h, pb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    entering_ref, final_ref, tracked_ref = rest
+    h, pb, nb, s = (pl.program_id(i) for i in range(4))
     g = lax.div(h, heads_per_group)
-    a, bias = a_ref[h], bias_ref[h]
+    start, length = seq_start_ref[s], seq_len_ref[s]
     first, seq_chunks = seq_first_ref[s], seq_count_ref[s]
+    first_count = count_ref[first]
 
     pos = jnp.arange(chunk_size)
     p_ok = pb * block_p + jnp.arange(block_p) < head_dim
-    n_ok = jnp.arange(block_n) < state_size
+    n_ok = nb * block_n + jnp.arange(block_n) < state_size
     state_mask = p_ok[:, None] & n_ok[None, :]
-    p_slice, n_slice = pl.ds(pb * block_p, block_p), pl.ds(0, block_n)
-    dot_dtype = x_ref.dtype
+    p_slice, n_slice = pl.ds(pb * block_p, block_p), pl.ds(nb * block_n, block_n)
 
-    def load(j):
-        """Raw tiles of the sequence's chunk j."""
+    def step(j, state):
+        # Chunk j's tokens from per-sequence scalars alone, so every address of the step is
+        # known without a load: only the first chunk can be partial at its start.
         chunk = first + j
-        count = count_ref[chunk]
-        rows = pl.ds(lo_ref[chunk], chunk_size)
-        t_ok = pos < count
+        offset = jnp.where(j == 0, 0, first_count + (j - 1) * chunk_size)
+        rows = pl.ds(start + offset, chunk_size)
+        t_ok = pos < length - offset
         x = plgpu.load(x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
         b = plgpu.load(b_ref.at[rows, g, n_slice], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        dt = plgpu.load(dt_ref.at[rows, h], mask=t_ok, other=0.0)
-        return chunk, t_ok, x, b, dt
-
-    def step(state, tiles):
-        chunk, t_ok, x, b, dt = tiles
-        dt = dt.astype(jnp.float32) + bias
-        if dt_softplus:
-            dt = _softplus(dt)
-        dt = jnp.where(t_ok, jnp.clip(dt, dt_limit[0], dt_limit[1]), 0.0)  # empty: no decay
-        cum = lax.cumsum(dt * a, axis=0)  # [C]
-        total = jnp.sum(jnp.where(pos == chunk_size - 1, cum, 0.0))  # cum[-1], exactly
-
-        @pl.when(pb == 0)
-        def _():
-            dt_out_ref[chunk, h, :] = dt
-            cum_out_ref[chunk, h, :] = cum
+        weight = weight_ref[chunk, h, :]
+        decay = jnp.exp(cum_ref[chunk, h, chunk_size - 1])
 
         entering = entering_ref.at[chunk, h, p_slice, n_slice]
         plgpu.store(entering, state.astype(entering_ref.dtype), mask=state_mask)
-        w = dt * jnp.exp(total - cum)  # weight of each position in the chunk's end state
-        xw = (x.astype(jnp.float32) * w[:, None]).astype(dot_dtype)  # [C, block_p]
-        state = jnp.exp(total) * state + _dot(xw, b.astype(dot_dtype), (0, 0))
+        xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)  # [C, block_p]
+        state = decay * state + _dot(xw, b.astype(x_ref.dtype), (0, 0))
 
         @pl.when(track_ref[chunk] != 0)
         def _():
@@ -169,7 +190,7 @@ def _state_kernel(
         state = state.astype(jnp.float32)
     else:
         state = jnp.zeros((block_p, block_n), jnp.float32)
-    state = lax.fori_loop(0, seq_chunks, lambda j, state: step(state, load(j)), state)
+    state = lax.fori_loop(0, seq_chunks, step, state)
     plgpu.store(
         final_ref.at[s, h, p_slice, n_slice], state.astype(final_ref.dtype), mask=state_mask
     )
@@ -208,58 +229,77 @@ def _output_kernel(
         pieces = [
             (pl.ds(off, size), off + jnp.arange(size) < head_dim) for off, size in _pieces(head_dim)
         ]
-        i_pos = mb * block_m + jnp.arange(block_m)
-        i_ok = i_pos < count
+
+        def load_rows(kb):
+            """B, dt, cum and the x pieces of the chunk's row block kb."""
+            rows = pl.ds(lo + kb * block_m, block_m)
+            r_ok = kb * block_m + jnp.arange(block_m) < count
+            b = plgpu.load(
+                b_ref.at[rows, g, n_slice], mask=r_ok[:, None] & n_ok[None, :], other=0.0
+            )
+            xs = [
+                plgpu.load(
+                    x_ref.at[rows, h, p_slice], mask=r_ok[:, None] & p_ok[None, :], other=0.0
+                )
+                for p_slice, p_ok in pieces
+            ]
+            block = pl.ds(kb * block_m, block_m)
+            return b.astype(dot_dtype), dt_ref[chunk, h, block], cum_ref[chunk, h, block], xs
+
+        # Every load of the target block first, so their latencies overlap.
         rows_i = pl.ds(lo + mb * block_m, block_m)
+        i_ok = mb * block_m + jnp.arange(block_m) < count
         c_i = plgpu.load(
             c_ref.at[rows_i, g, n_slice], mask=i_ok[:, None] & n_ok[None, :], other=0.0
         )
         c_i = c_i.astype(dot_dtype)
-        cum_i = cum_ref[chunk, h, pl.ds(mb * block_m, block_m)]
-
-        # Inter-chunk term: exp(cum_i) C_i · state_in.
-        accs = []
-        for p_slice, p_ok in pieces:
-            s_in = plgpu.load(
+        b_i, dt_i, cum_i, x_i = load_rows(mb)
+        states_in = [
+            plgpu.load(
                 entering_ref.at[chunk, h, p_slice, n_slice],
                 mask=p_ok[:, None] & n_ok[None, :],
                 other=0.0,
             )
-            accs.append(_dot(c_i, s_in, (1, 1)) * jnp.exp(cum_i)[:, None])  # [block_m, piece]
+            for p_slice, p_ok in pieces
+        ]
+        z_i = [
+            plgpu.load(z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0)
+            for p_slice, p_ok in pieces
+            if z_ref is not None
+        ]
 
-        def source_block(kb, accs):
-            j_pos = kb * block_m + jnp.arange(block_m)
-            j_ok = j_pos < count
-            rows_j = pl.ds(lo + kb * block_m, block_m)
-            b_j = plgpu.load(
-                b_ref.at[rows_j, g, n_slice], mask=j_ok[:, None] & n_ok[None, :], other=0.0
-            )
-            dt_j = dt_ref[chunk, h, pl.ds(kb * block_m, block_m)]
-            cum_j = cum_ref[chunk, h, pl.ds(kb * block_m, block_m)]
-            # exp(cum_i - cum_j) <= 1 on and below the diagonal; above it is masked before exp.
-            causal = i_pos[:, None] >= j_pos[None, :]
-            decay = jnp.exp(jnp.where(causal, cum_i[:, None] - cum_j[None, :], -jnp.inf))
-            cb = _dot(c_i, b_j.astype(dot_dtype), (1, 1))  # [i, j] = C_i · B_j
-            m = (cb * decay * dt_j[None, :]).astype(dot_dtype)
-            updated = []
-            for acc, (p_slice, p_ok) in zip(accs, pieces, strict=True):
-                x_j = plgpu.load(
-                    x_ref.at[rows_j, h, p_slice], mask=j_ok[:, None] & p_ok[None, :], other=0.0
-                )
-                updated.append(acc + _dot(m, x_j, (1, 0)))
-            return updated
+        def source_term(b_j, dt_j, cum_j, x_j, causal):
+            """Σ_j (C_i·B_j) exp(cum_i - cum_j) dt_j x_j over one source block, per piece."""
+            seg = cum_i[:, None] - cum_j[None, :]
+            if causal:  # the diagonal block: mask above it before exp (exponents there are > 0)
+                rel = jnp.arange(block_m)
+                seg = jnp.where(rel[:, None] >= rel[None, :], seg, -jnp.inf)
+            m = (_dot(c_i, b_j, (1, 1)) * jnp.exp(seg) * dt_j[None, :]).astype(dot_dtype)
+            return [_dot(m, x, (1, 0)) for x in x_j]
 
-        accs = lax.fori_loop(0, mb + 1, source_block, accs)
+        # Inter-chunk term exp(cum_i) C_i · state_in, then the diagonal block.
+        exp_cum_i = jnp.exp(cum_i)[:, None]
+        accs = [
+            _dot(c_i, s_in, (1, 1)) * exp_cum_i + diag
+            for s_in, diag in zip(states_in, source_term(b_i, dt_i, cum_i, x_i, True), strict=True)
+        ]
+
+        def earlier_block(kb, accs):  # source rows all before the target rows: no mask
+            terms = source_term(*load_rows(kb), causal=False)
+            return [acc + term for acc, term in zip(accs, terms, strict=True)]
+
+        accs = lax.fori_loop(0, mb, earlier_block, accs)
         d = d_ref[h]
-        for acc, (p_slice, p_ok) in zip(accs, pieces, strict=True):
-            mask = i_ok[:, None] & p_ok[None, :]
-            x_i = plgpu.load(x_ref.at[rows_i, h, p_slice], mask=mask, other=0.0)
-            y = acc + d * x_i.astype(jnp.float32)
+        for k, (acc, (p_slice, p_ok)) in enumerate(zip(accs, pieces, strict=True)):
+            y = acc + d * x_i[k].astype(jnp.float32)
             if z_ref is not None:
-                zv = plgpu.load(z_ref.at[rows_i, h, p_slice], mask=mask, other=0.0)
-                zv = zv.astype(jnp.float32)
+                zv = z_i[k].astype(jnp.float32)
                 y = y * zv / (1.0 + jnp.exp(-zv))  # silu(z)
-            plgpu.store(y_ref.at[rows_i, h, p_slice], y.astype(y_ref.dtype), mask=mask)
+            plgpu.store(
+                y_ref.at[rows_i, h, p_slice],
+                y.astype(y_ref.dtype),
+                mask=i_ok[:, None] & p_ok[None, :],
+            )
 
 
 @functools.partial(
@@ -303,6 +343,7 @@ def ssd_varlen_gpu(
     for name, value in (
         ("chunk_size", chunk_size),
         ("state_block_p", bs.state_block_p),
+        ("state_block_n", bs.state_block_n),
         ("out_block_m", bs.out_block_m),
     ):
         if value != _pow2(value):
@@ -320,25 +361,48 @@ def ssd_varlen_gpu(
     block_n = _pow2(state_size)
     heads_per_group = num_heads // num_groups
 
-    # Pass 1: the serial walk over each sequence's chunks.
-    block_p = min(bs.state_block_p, _pow2(head_dim))
-    state_operands = [
+    # Pass 0: dt processing and its per-chunk cumsum, every (head, chunk) at once.
+    per_chunk_head = jax.ShapeDtypeStruct((nc, num_heads, chunk_size), f32)
+    dt_chunks, cum_chunks, weight_chunks = pl.pallas_call(
+        functools.partial(
+            _dt_kernel,
+            chunk_size=chunk_size,
+            dt_softplus=dt_softplus,
+            dt_limit=tuple(float(v) for v in dt_limit),
+        ),
+        grid=(num_heads, nc),
+        out_shape=(per_chunk_head,) * 3,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ssd_varlen_gpu_dt",
+    )(
         A.astype(f32),
         jnp.zeros((num_heads,), f32) if dt_bias is None else dt_bias.astype(f32),
+        meta.token_lo,
+        meta.token_count,
+        dt,
+    )
+
+    # Pass 1: the serial walk over each sequence's chunks, carrying only the states.
+    block_p = min(bs.state_block_p, _pow2(head_dim))
+    state_block_n = min(bs.state_block_n, block_n)
+    state_operands = [
+        cu_seqlens[:-1].astype(jnp.int32),
+        lengths.astype(jnp.int32),
         layout.seq_first_chunk.astype(jnp.int32),
         seq_count,
-        meta.token_lo,
         meta.token_count,
         meta.track,
         meta.slot,
+        cum_chunks,
+        weight_chunks,
         x,
-        dt,
         B,
     ]
     if initial_states is not None:
         state_operands.append(initial_states)
     state_shape = (num_heads, head_dim, state_size)
-    dt_chunks, cum_chunks, entering, final_states, tracked = pl.pallas_call(
+    entering, final_states, tracked = pl.pallas_call(
         functools.partial(
             _state_kernel,
             chunk_size=chunk_size,
@@ -346,15 +410,16 @@ def ssd_varlen_gpu(
             state_size=state_size,
             heads_per_group=heads_per_group,
             block_p=block_p,
-            block_n=block_n,
-            dt_softplus=dt_softplus,
-            dt_limit=tuple(float(v) for v in dt_limit),
+            block_n=state_block_n,
             has_init=initial_states is not None,
         ),
-        grid=(num_heads, pl.cdiv(head_dim, block_p), num_seqs),
+        grid=(
+            num_heads,
+            pl.cdiv(head_dim, block_p),
+            pl.cdiv(state_size, state_block_n),
+            num_seqs,
+        ),
         out_shape=(
-            jax.ShapeDtypeStruct((nc, num_heads, chunk_size), f32),
-            jax.ShapeDtypeStruct((nc, num_heads, chunk_size), f32),
             jax.ShapeDtypeStruct((nc, *state_shape), x.dtype),
             jax.ShapeDtypeStruct((num_seqs, *state_shape), state_dtype),
             jax.ShapeDtypeStruct((meta.num_slots, *state_shape), state_dtype),

@@ -43,6 +43,9 @@ bound by per-step overhead (dt softplus, a scan and reductions, layout conversio
 reloaded by 80 programs per chunk) at ~2 resident programs per SM; the output pass runs at
 ~140 TFLOP/s and ~1.2 TB/s, exposing several memory latencies per program. See
 docs/ssd_gpu_notes.md for the sweep and the next version (branch ssd-v2, not yet measured).
+
+On branch ssd-v2 the kernel is that next version: the table above is still v1's, and the
+sweep's variant lists are v2's (stages, N split, P block 32, output block_m 32/64/128).
 """
 
 from __future__ import annotations
@@ -194,20 +197,19 @@ def sweep():
         dict(),
         dict(state_stages=1),
         dict(state_stages=2),
-        dict(state_warps=2),
-        dict(state_warps=8),
+        dict(state_block_n=64),
         dict(state_block_p=32),
-        dict(state_block_p=32, state_warps=8),
+        dict(state_block_p=32, state_block_n=64),
     ]
     out_variants = [
         dict(),
         dict(out_stages=1),
         dict(out_stages=3),
         dict(out_warps=8),
-        dict(out_block_m=32),
-        dict(out_block_m=32, out_warps=2),
         dict(out_block_m=128, out_warps=8),
         dict(out_block_m=128, out_warps=4),
+        dict(out_block_m=32),
+        dict(out_block_m=32, out_warps=2),
     ]
 
     def measure(changes, states_only):

@@ -25,10 +25,12 @@ SSD = jax.jit(ssd_varlen, static_argnames=("chunk_size", "return_chunk_states", 
 KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
-    # Several head-dim slices in the state pass, several row blocks per chunk in the output
-    # pass (the causal block walk).
+    # Several head-dim and state slices in the state pass (the last state slice partly
+    # masked when N is 12), several row blocks per chunk in the output pass (the causal walk).
     "gpu_blocks": functools.partial(
-        ssd_varlen_gpu, interpret=True, block_sizes=BlockSizes(state_block_p=4, out_block_m=4)
+        ssd_varlen_gpu,
+        interpret=True,
+        block_sizes=BlockSizes(state_block_p=4, state_block_n=8, out_block_m=4),
     ),
 }
 
