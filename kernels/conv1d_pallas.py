@@ -12,13 +12,27 @@ windows as outputs). Each token's taps before its sequence's first token come fr
 initial state, so the kernels need each token's sequence start (``token_seq_ids``, an O(T)
 XLA op). The final and tracked windows are O(S·K·D) gathers done in XLA beside the kernel.
 
-* GPU: grid ``(T / bt, D / bd)``; a program's ``bt`` tokens are unrolled: it loads its
-  K-1+bt rows of x, their sequence starts and the weights up front, then computes and
-  stores each token, taps before the sequence start counting zero. With initial states,
-  a token within K-1 of its sequence start is recomputed under a branch with its taps from
-  the initial state (masked loads) and stored again. The earlier version walked the tokens
-  in a loop carrying the window in registers: each iteration waited on its own loads (x,
-  the start, the sequence id for the initial-state address), one memory latency per token.
+* GPU, ``gpu_variant="rows"`` (default): grid ``(T / bt, D / bd)``; a program's ``bt``
+  tokens are unrolled: it loads its K-1+bt rows of x, their sequence starts and the weights
+  up front, then computes and stores each token, taps before the sequence start counting
+  zero. With initial states, a token within K-1 of its sequence start is recomputed under a
+  branch with its taps from the initial state (masked loads) and stored again. The earlier
+  version walked the tokens in a loop carrying the window in registers: each iteration
+  waited on its own loads (x, the start, the sequence id for the initial-state address), one
+  memory latency per token. Compiled offline (Triton 3.6, ptxas sm_90a) this kernel uses 255
+  registers and spills: 4 two-warp programs an SM, too few loads in flight for HBM.
+  ``"rows_fast"`` adds a per-tile fast path (below) to it.
+* GPU, ``gpu_variant="tile"``: grid ``(T / (bt * tiles), D / bd)`` over 2-D ``[bt, bd]``
+  tiles; tap j is the tile of x shifted up by K-1-j rows. With ``bd = 256 * warps`` every
+  warp lies along the channels, so a thread holds all ``bt`` rows of its 8 channels: 16-byte
+  accesses, the K shifted loads of a row merge into one load, and the weight rows need no
+  shared-memory layout change (~100 registers at bt 4, none spilled). One scalar load (the
+  sequence start of the program's last token) decides whether the whole span lies inside
+  one sequence past its first K-1 tokens; then the taps are plain loads, no masks. The other
+  programs (a sequence start nearby, the first one, the ragged end) take a general path:
+  clamped row gathers masked by each token's sequence start, plus the initial-state terms
+  (``_initial_state_terms``, ``[S, K-1, D]`` from XLA) for the first K-1 tokens of each
+  sequence.
 * TPU: grid ``(T / bt, D / bd)`` over 2-D tiles. The tile and the 8 rows before it (a
   second, 8-row BlockSpec on x) go to a VMEM buffer; tap k is the buffer read at a static
   row offset, masked where it falls before the token's sequence start. The initial-state
@@ -42,8 +56,19 @@ from .state_update_pallas import pow2_divisor, tpu_interpret_params
 _F32 = jnp.float32
 
 
-def _silu(y: jax.Array, activation: str | None) -> jax.Array:
-    return y if activation is None else y * jax.nn.sigmoid(y)
+_LOG2_E = 1.4426950408889634
+
+
+def _silu(y: jax.Array, activation: str | None, exp2: bool = False) -> jax.Array:
+    """``y * sigmoid(y)``; ``exp2``: as ``y / (1 + 2^(-y log2 e))``. On the GPU ``exp`` is
+    libdevice's accurate ``expf`` (a range reduction around ``ex2``) and sigmoid a reciprocal
+    then a product; the exp2 form is one multiply, one ``ex2`` and one division, as accurate
+    in f32 to a few ulp."""
+    if activation is None:
+        return y
+    if exp2:
+        return y / (1.0 + jnp.exp2(y * -_LOG2_E))
+    return y * jax.nn.sigmoid(y)
 
 
 def _lane_block(dim: int, cap: int) -> int:
@@ -175,12 +200,30 @@ def causal_conv1d_update_gpu(
 
 @dataclasses.dataclass(frozen=True)
 class ConvVarlenBlockSizes:
+    """Tile sizes of the varlen kernels, and the GPU kernel's variant (module docstring):
+
+    * ``gpu_variant="rows"``: a program's tokens unrolled over 1-D channel rows, every tap
+      masked by the token's sequence start (the measured default).
+    * ``"rows_fast"``: the same, with a per-tile fast path: a tile that lies inside one
+      sequence past its first K-1 tokens (one scalar load decides) skips the per-token starts,
+      the masks and the initial-state branches.
+    * ``"tile"``: 2-D ``[gpu_tokens, gpu_channels]`` tiles (power-of-two ``gpu_tokens``),
+      the K taps as K loads of the tile shifted by 0..K-1 rows; a program walks ``gpu_tiles``
+      consecutive tiles, all on the fast path when its whole span is interior (one decision
+      a program, so the loop has no branch in it).
+
+    ``gpu_exp2_silu``: SiLU through ``exp2`` (see ``_silu``) instead of ``jax.nn.sigmoid``.
+    """
+
     tpu_tokens: int = 256
     tpu_channels: int = 512
     gpu_tokens: int = 16
     gpu_channels: int = 512
     gpu_num_warps: int = 2
     gpu_num_stages: int = 1
+    gpu_variant: str = "rows"
+    gpu_tiles: int = 1
+    gpu_exp2_silu: bool = False
 
 
 def _token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -205,6 +248,20 @@ def _windows(x, initial_states, cu_seqlens, ends, width):
     return jnp.where((p >= 0)[..., None], from_x, from_state).astype(state_dtype)
 
 
+def _initial_state_terms(weight: jax.Array, initial_states: jax.Array) -> jax.Array:
+    """f32[S, K-1, D]: row j is the part of token j's output (relative position j < K-1 in
+    its sequence) that comes from the initial state: the taps that reach before the start."""
+    k = weight.shape[0]
+    w, init = weight.astype(_F32), initial_states.astype(_F32)
+    rows = []
+    for j in range(k - 1):
+        term = jnp.zeros_like(init[:, 0])
+        for tap in range(k - 1 - j):  # tap reads position j - (K-1) + tap < 0: state row j + tap
+            term = term + w[tap] * init[:, j + tap]
+        rows.append(term)
+    return jnp.stack(rows, axis=1)
+
+
 def _varlen_outputs(x, y, initial_states, cu_seqlens, track_ends, k):
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     final = _windows(x, initial_states, cu_seqlens, lengths, k - 1)
@@ -214,8 +271,17 @@ def _varlen_outputs(x, y, initial_states, cu_seqlens, track_ends, k):
     return y, final, tracked
 
 
+def _interior_tile(start_ref, t0, bt: int, k: int, num_tokens: int) -> jax.Array:
+    """Whether tokens ``[t0, t0 + bt)`` lie inside ``[0, T)`` and inside one sequence past its
+    first K-1 tokens, so that every tap is a plain row of x: starts never decrease along the
+    tokens, so the last token's start bounds them all (one scalar load)."""
+    last = jnp.minimum(t0 + bt - 1, num_tokens - 1)
+    return (start_ref[last] <= t0 - (k - 1)) & (t0 + bt <= num_tokens)
+
+
 def _varlen_gpu_kernel(
-    k, bt, bd, activation, has_bias, has_init, num_tokens, seq_ref, start_ref, x_ref, w_ref, *rest
+    k, bt, bd, activation, has_bias, has_init, num_tokens, fast_path, exp2,
+    seq_ref, start_ref, x_ref, w_ref, *rest,
 ):  # fmt: skip
     rest = list(rest)
     bias_ref = rest.pop(0) if has_bias else None
@@ -224,6 +290,8 @@ def _varlen_gpu_kernel(
     t0 = pl.program_id(0) * bt
     d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
     ragged = num_tokens % bt != 0  # the last tile runs past T: clamp its reads, mask its writes
+    w = [w_ref[tap, d].astype(_F32) for tap in range(k)]
+    b = jnp.zeros((bd,), _F32) if bias_ref is None else bias_ref[d].astype(_F32)
 
     def token(i):  # row of x for token t0 + i, i >= -(K-1), clamped into [0, T)
         t = t0 + i
@@ -231,53 +299,131 @@ def _varlen_gpu_kernel(
             t = jnp.maximum(t, 0)  # only the first tile clamps; those taps are masked below
         return jnp.minimum(t, num_tokens - 1) if ragged else t
 
-    # The tokens are unrolled and every load is issued up front (the tile's K-1+bt rows of x,
-    # its sequence starts, the weights): one memory latency per program instead of one per
-    # token, as a loop carrying the window in registers would have.
-    rows = [x_ref[token(i), d] for i in range(-(k - 1), bt)]
-    starts = [start_ref[token(i)] for i in range(bt)]
-    w = [w_ref[tap, d].astype(_F32) for tap in range(k)]
-    b = jnp.zeros((bd,), _F32) if bias_ref is None else bias_ref[d].astype(_F32)
-
     def store(i, acc):
-        out = _silu(acc, activation).astype(y_ref.dtype)
+        out = _silu(acc, activation, exp2).astype(y_ref.dtype)
         if ragged:
             mask = jnp.broadcast_to(t0 + i < num_tokens, (bd,))
             pltriton.store(y_ref.at[token(i), d], out, mask=mask)
         else:
             y_ref[t0 + i, d] = out
 
-    # Taps before a token's sequence start contribute zero here; with initial states, the
-    # first K-1 tokens of each sequence are redone below (rare: K-1 tokens a sequence).
-    for i in range(bt):
-        acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
-        for tap in range(k - 1):
-            in_seq = t0 + i - (k - 1) + tap >= starts[i]
-            acc = acc + w[tap] * jnp.where(in_seq, rows[i + tap].astype(_F32), 0.0)
-        store(i, acc)
+    def general():
+        # The tokens are unrolled and every load is issued up front (the tile's K-1+bt rows of
+        # x, its sequence starts): one memory latency per program instead of one per token,
+        # as a loop carrying the window in registers would have.
+        rows = [x_ref[token(i), d] for i in range(-(k - 1), bt)]
+        starts = [start_ref[token(i)] for i in range(bt)]
 
-    if init_ref is None:
-        return
-
-    def redo_with_initial_state(i):
-        t, start = t0 + i, starts[i]
-
-        @pl.when(t - start < k - 1)
-        def _():
-            seq = seq_ref[token(i)]
+        # Taps before a token's sequence start contribute zero here; with initial states, the
+        # first K-1 tokens of each sequence are redone below (rare: K-1 tokens a sequence).
+        for i in range(bt):
             acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
             for tap in range(k - 1):
-                src = t - (k - 1) + tap
-                in_seq = src >= start
-                row = jnp.clip(k - 1 + src - start, 0, k - 2)
-                mask = jnp.broadcast_to(jnp.logical_not(in_seq), (bd,))
-                init = pltriton.load(init_ref.at[seq, row, d], mask=mask, other=0.0)
-                prev = jnp.where(in_seq, rows[i + tap].astype(_F32), init.astype(_F32))
-                acc = acc + w[tap] * prev
+                in_seq = t0 + i - (k - 1) + tap >= starts[i]
+                acc = acc + w[tap] * jnp.where(in_seq, rows[i + tap].astype(_F32), 0.0)
             store(i, acc)
 
-    for i in range(bt):
-        redo_with_initial_state(i)
+        if init_ref is None:
+            return
+
+        def redo_with_initial_state(i):
+            t, start = t0 + i, starts[i]
+
+            @pl.when(t - start < k - 1)
+            def _():
+                seq = seq_ref[token(i)]
+                acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
+                for tap in range(k - 1):
+                    src = t - (k - 1) + tap
+                    in_seq = src >= start
+                    row = jnp.clip(k - 1 + src - start, 0, k - 2)
+                    mask = jnp.broadcast_to(jnp.logical_not(in_seq), (bd,))
+                    init = pltriton.load(init_ref.at[seq, row, d], mask=mask, other=0.0)
+                    prev = jnp.where(in_seq, rows[i + tap].astype(_F32), init.astype(_F32))
+                    acc = acc + w[tap] * prev
+                store(i, acc)
+
+        for i in range(bt):
+            redo_with_initial_state(i)
+
+    if not fast_path:
+        general()
+        return
+
+    def interior():  # every tap a row of x: no starts, no masks, no initial-state branches
+        rows = [x_ref[t0 + i, d].astype(_F32) for i in range(-(k - 1), bt)]
+        for i in range(bt):
+            acc = b
+            for tap in range(k):
+                acc = acc + w[tap] * rows[i + tap]
+            y_ref[t0 + i, d] = _silu(acc, activation, exp2).astype(y_ref.dtype)
+
+    jax.lax.cond(_interior_tile(start_ref, t0, bt, k, num_tokens), interior, general)
+
+
+def _varlen_gpu_tile_kernel(
+    k, bt, bd, tiles, activation, has_bias, has_init, num_tokens, exp2,
+    seq_ref, start_ref, x_ref, w_ref, *rest,
+):  # fmt: skip
+    rest = list(rest)
+    bias_ref = rest.pop(0) if has_bias else None
+    terms_ref = rest.pop(0) if has_init else None  # f32[S * (K-1), D]: _initial_state_terms
+    (y_ref,) = rest
+    d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    w = [w_ref[tap, d].astype(_F32)[None, :] for tap in range(k)]  # tap K-1: the token
+    b = jnp.zeros((1, bd), _F32) if bias_ref is None else bias_ref[d].astype(_F32)[None, :]
+
+    def output(acc):
+        return _silu(acc, activation, exp2).astype(y_ref.dtype)
+
+    def interior(t0):
+        # Tap j reads the tile shifted up by K-1-j rows. When a thread holds whole columns of
+        # the tile (bd = 256 * warps) the compiler merges the repeated rows into one load
+        # each; otherwise the repeats are L1/L2 hits. Either way HBM sees each row about once.
+        acc = b
+        for tap in range(k):
+            acc = acc + w[tap] * x_ref[pl.ds(t0 - (k - 1) + tap, bt), d].astype(_F32)
+        y_ref[pl.ds(t0, bt), d] = output(acc)
+
+    def general(t0):  # sequence starts in the tile, the first tile, or a tile past T
+        t = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
+        row = jnp.minimum(t, num_tokens - 1)  # every index is clamped into range: gathers
+        start = start_ref[row]
+        acc = b
+        for tap in range(k):
+            src = t - (k - 1) + tap
+            from_x = x_ref[jnp.clip(src, 0, num_tokens - 1), d].astype(_F32)
+            acc = acc + w[tap] * jnp.where((src >= start)[:, None], from_x, 0.0)
+        if terms_ref is not None:  # the initial-state taps of each sequence's first K-1 tokens
+            rel = t - start
+            term_row = seq_ref[row] * (k - 1) + jnp.clip(rel, 0, k - 2)
+            acc = acc + jnp.where((rel < k - 1)[:, None], terms_ref[term_row, d], 0.0)
+        mask = jnp.broadcast_to((t < num_tokens)[:, None], (bt, bd))
+        pltriton.store(y_ref.at[pl.ds(t0, bt), d], output(acc), mask=mask)
+
+    # One decision for the program's span of ``tiles`` tiles, so that the interior loop has
+    # no branch in it and its loads can be software-pipelined (``gpu_num_stages``).
+    t_first = pl.program_id(0) * (tiles * bt)
+    t_span = tiles * bt
+
+    def each_tile(path):
+        def body(j, carry):
+            path(pl.multiple_of(t_first + j * bt, bt))
+            return carry
+
+        if tiles == 1:
+            body(0, 0)
+        else:
+            jax.lax.fori_loop(0, tiles, body, 0)
+
+    jax.lax.cond(
+        _interior_tile(start_ref, t_first, t_span, k, num_tokens),
+        lambda: each_tile(interior),
+        lambda: each_tile(general),
+    )
+
+
+GPU_VARIANTS = ("rows", "rows_fast", "tile")
 
 
 def causal_conv1d_varlen_gpu(
@@ -297,14 +443,29 @@ def causal_conv1d_varlen_gpu(
     k = weight.shape[0]
     bt, bd = bs.gpu_tokens, pow2_divisor(dim, bs.gpu_channels)
     seq, start = _token_starts(cu_seqlens, num_tokens)
-    optional = [a for a in (bias, initial_states) if a is not None]
-    kernel = functools.partial(
-        _varlen_gpu_kernel, k, bt, bd, activation, bias is not None,
-        initial_states is not None, num_tokens,
-    )  # fmt: skip
+    kernel_init = initial_states
+    flags = (activation, bias is not None, initial_states is not None, num_tokens)
+    if bs.gpu_variant == "tile":
+        if bt & (bt - 1):
+            raise ValueError(f"the 2-D tile variant needs a power-of-two gpu_tokens, got {bt}")
+        kernel = functools.partial(
+            _varlen_gpu_tile_kernel, k, bt, bd, bs.gpu_tiles, *flags, bs.gpu_exp2_silu
+        )
+        grid = (pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd)
+        if initial_states is not None:  # one [bt, bd] gather in the kernel instead of K-1
+            kernel_init = _initial_state_terms(weight, initial_states).reshape(-1, dim)
+    elif bs.gpu_variant in ("rows", "rows_fast"):
+        fast_path = bs.gpu_variant == "rows_fast"
+        kernel = functools.partial(
+            _varlen_gpu_kernel, k, bt, bd, *flags, fast_path, bs.gpu_exp2_silu
+        )
+        grid = (pl.cdiv(num_tokens, bt), dim // bd)
+    else:
+        raise ValueError(f"gpu_variant must be one of {GPU_VARIANTS}, got {bs.gpu_variant!r}")
+    optional = [a for a in (bias, kernel_init) if a is not None]
     y = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(num_tokens, bt), dim // bd),
+        grid=grid,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=pltriton.CompilerParams(
             num_warps=bs.gpu_num_warps, num_stages=bs.gpu_num_stages
@@ -407,14 +568,7 @@ def causal_conv1d_varlen_tpu(
         args.append(bias.reshape(1, dim))
         specs.append(pl.BlockSpec((1, bd), lambda i, j, *_: (0, j)))
     if initial_states is not None:
-        # corr[s, j] = sum over taps that reach before the sequence start of token j.
-        w = weight.astype(_F32)
-        init = initial_states.astype(_F32)
-        corr = jnp.zeros((num_seqs, k - 1, dim), _F32)
-        for j in range(k - 1):
-            for tap in range(k - 1 - j):
-                corr = corr.at[:, j].add(w[tap] * init[:, j + tap])
-        args.append(corr)
+        args.append(_initial_state_terms(weight, initial_states))
         specs.append(pl.BlockSpec((num_seqs, k - 1, bd), lambda i, j, *_: (0, 0, j)))
 
     y = pl.pallas_call(

@@ -485,17 +485,56 @@ def ssu_variants(smoke: bool):
 
 
 def conv_prefill_variants(smoke: bool):
-    sizes = [(16, 512, 2), (8, 512, 2), (32, 512, 2), (16, 1024, 4), (8, 1024, 4)]
-    sizes += [(16, 256, 1), (32, 256, 1), (32, 1024, 4), (64, 512, 4)]
+    """(variant, tokens, channels, warps, tiles a program, exp2 SiLU); see
+    ``ConvVarlenBlockSizes``. Compiled offline (Triton 3.6 + ptxas for sm_90a) the "rows"
+    kernels use 255 registers (most spill), i.e. 4 two-warp programs an SM; the "tile" kernel
+    with channels = 256 x warps keeps each warp along the channels (16-byte accesses, the K
+    shifted loads merged into one load a row, no shared-memory layout conversion) at
+    ~100 registers for 4-token tiles."""
+    sizes = [
+        ("rows", 16, 512, 2, 1, False),  # the default
+        ("rows", 16, 512, 2, 1, True),
+        ("rows", 8, 512, 2, 1, False),
+        ("rows", 8, 1024, 4, 1, False),
+        ("rows", 16, 256, 1, 1, False),
+        ("rows_fast", 16, 512, 2, 1, True),
+        ("rows_fast", 8, 512, 2, 1, True),
+        ("rows_fast", 8, 512, 4, 1, True),
+        ("tile", 4, 1024, 4, 1, True),
+        ("tile", 4, 1024, 4, 1, False),
+        ("tile", 8, 1024, 4, 1, True),
+        ("tile", 2, 1024, 4, 1, True),
+        ("tile", 4, 512, 2, 1, True),
+        ("tile", 8, 512, 2, 1, True),
+        ("tile", 4, 2048, 8, 1, True),
+        ("tile", 4, 1024, 4, 4, True),
+        ("tile", 4, 1024, 4, 16, True),
+        ("tile", 8, 1024, 4, 4, True),
+        ("tile", 16, 256, 4, 1, True),  # warps along the tokens: a layout conversion a program
+        ("tile", 16, 512, 8, 1, True),
+    ]
+
+    def name(variant, bt, bd, w, tiles, exp2):
+        return (
+            f"{variant} bt{bt} bd{bd} w{w}"
+            + (f" x{tiles}" if tiles > 1 else "")
+            + (" exp2" if exp2 else "")
+        )
+
     return {
-        f"bt{bt} bd{bd} w{w}": functools.partial(
+        name(*size): functools.partial(
             conv1d_pallas.causal_conv1d_varlen_gpu,
             interpret=smoke,
             block_sizes=conv1d_pallas.ConvVarlenBlockSizes(
-                gpu_tokens=bt, gpu_channels=bd, gpu_num_warps=w
+                gpu_variant=size[0],
+                gpu_tokens=size[1],
+                gpu_channels=size[2],
+                gpu_num_warps=size[3],
+                gpu_tiles=size[4],
+                gpu_exp2_silu=size[5],
             ),
         )
-        for bt, bd, w in sizes
+        for size in sizes
     }
 
 

@@ -1,6 +1,7 @@
 """Pallas causal conv1d kernels (TPU and GPU, interpret mode on CPU) against the references
 and a float64 numpy direct convolution."""
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -24,9 +25,23 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small tiles, so the sweep crosses tile boundaries (sequence starts in the middle of a tile,
 # K-1 halo rows from the previous tile) without many interpret-mode grid steps.
 SMALL = ConvVarlenBlockSizes(tpu_tokens=16, tpu_channels=128, gpu_tokens=8, gpu_channels=64)
+# The GPU kernel's variants (the bench sweeps them on the device): the per-tile fast path is
+# taken by the tiles inside a long sequence (e.g. tokens 32..39 of the first case), the
+# general path by the others; tokens past T (5 padding + a ragged last tile) in every case.
+GPU_VARIANTS = {
+    "gpu": SMALL,
+    "gpu_rows_fast": dataclasses.replace(SMALL, gpu_variant="rows_fast", gpu_exp2_silu=True),
+    "gpu_tile": dataclasses.replace(SMALL, gpu_variant="tile", gpu_exp2_silu=True),
+    # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
+    # the fast one); the last program's last tile lies past T.
+    "gpu_tile_loop": dataclasses.replace(SMALL, gpu_variant="tile", gpu_tokens=2, gpu_tiles=4),
+}
 VARLEN = {
     "tpu": functools.partial(causal_conv1d_varlen_tpu, interpret=True, block_sizes=SMALL),
-    "gpu": functools.partial(causal_conv1d_varlen_gpu, interpret=True, block_sizes=SMALL),
+    **{
+        name: functools.partial(causal_conv1d_varlen_gpu, interpret=True, block_sizes=sizes)
+        for name, sizes in GPU_VARIANTS.items()
+    },
 }
 UPDATE = {
     "tpu": functools.partial(causal_conv1d_update, impl="interpret"),
@@ -143,3 +158,18 @@ def test_conv_update_kernel_matches_reference_and_numpy(
     new_pool, pool_ref = np.asarray(new_pool, np.float32), np.asarray(pool_ref, np.float32)
     np.testing.assert_array_equal(new_pool[:-1], pool_ref[:-1])
     np.testing.assert_array_equal(new_pool[slots[real]], window[:, 1:].astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ConvVarlenBlockSizes(gpu_variant="cols"),
+        ConvVarlenBlockSizes(gpu_variant="tile", gpu_tokens=12),
+    ],
+)
+def test_conv_varlen_gpu_rejects_unknown_variant_and_non_pow2_tile(sizes):
+    x = jnp.ones((16, 64), jnp.float32)
+    with pytest.raises(ValueError):
+        causal_conv1d_varlen_gpu(
+            x, x[:4], None, jnp.asarray([0, 16], jnp.int32), interpret=True, block_sizes=sizes
+        )
