@@ -485,12 +485,12 @@ def ssu_variants(smoke: bool):
 
 
 def conv_prefill_variants(smoke: bool):
-    """(variant, tokens, channels, warps, tiles a program, exp2 SiLU); see
+    """(variant, tokens, channels, warps, tiles a program, exp2 SiLU[, preload]); see
     ``ConvVarlenBlockSizes``. Compiled offline (Triton 3.6 + ptxas for sm_90a) the "rows"
     kernels use 255 registers (most spill), i.e. 4 two-warp programs an SM; the "tile" kernel
     with channels = 256 x warps keeps each warp along the channels (16-byte accesses, the K
     shifted loads merged into one load a row, no shared-memory layout conversion) at
-    ~100 registers for 4-token tiles."""
+    96-112 registers for 4-token tiles."""
     sizes = [
         ("rows", 16, 512, 2, 1, False),  # the default
         ("rows", 16, 512, 2, 1, True),
@@ -501,6 +501,7 @@ def conv_prefill_variants(smoke: bool):
         ("rows_fast", 8, 512, 2, 1, True),
         ("rows_fast", 8, 512, 4, 1, True),
         ("tile", 4, 1024, 4, 1, True),
+        ("tile", 4, 1024, 4, 1, True, False),  # fast-path loads after the decision
         ("tile", 4, 1024, 4, 1, False),
         ("tile", 8, 1024, 4, 1, True),
         ("tile", 2, 1024, 4, 1, True),
@@ -514,11 +515,12 @@ def conv_prefill_variants(smoke: bool):
         ("tile", 16, 512, 8, 1, True),
     ]
 
-    def name(variant, bt, bd, w, tiles, exp2):
+    def name(variant, bt, bd, w, tiles, exp2, preload=True):
         return (
             f"{variant} bt{bt} bd{bd} w{w}"
             + (f" x{tiles}" if tiles > 1 else "")
             + (" exp2" if exp2 else "")
+            + ("" if preload else " no-preload")
         )
 
     return {
@@ -532,6 +534,7 @@ def conv_prefill_variants(smoke: bool):
                 gpu_num_warps=size[3],
                 gpu_tiles=size[4],
                 gpu_exp2_silu=size[5],
+                gpu_preload=size[6] if len(size) > 6 else True,
             ),
         )
         for size in sizes

@@ -32,6 +32,7 @@ GPU_VARIANTS = {
     "gpu": SMALL,
     "gpu_rows_fast": dataclasses.replace(SMALL, gpu_variant="rows_fast", gpu_exp2_silu=True),
     "gpu_tile": dataclasses.replace(SMALL, gpu_variant="tile", gpu_exp2_silu=True),
+    "gpu_tile_no_preload": dataclasses.replace(SMALL, gpu_variant="tile", gpu_preload=False),
     # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
     # the fast one); the last program's last tile lies past T.
     "gpu_tile_loop": dataclasses.replace(SMALL, gpu_variant="tile", gpu_tokens=2, gpu_tiles=4),
