@@ -1,20 +1,24 @@
-"""Varlen chunked SSD scan as three Pallas GPU kernels (Triton lowering).
+"""Varlen chunked SSD scan as three Pallas GPU kernels, four with ``out_gram`` (Triton lowering).
 
 0. **dt pass**, grid ``(H, NC)``: the processed dt, its per-chunk cumsum of ``dt * A`` and
    each position's weight in its chunk's end state, ``dt exp(cum[-1] - cum)``, all
    ``f32[NC, H, C]`` (tiny next to x).
-1. **State pass**, grid ``(H, P / state_block_p, N / state_block_n, S)``: one program per
-   (head, state slice, sequence) walks that sequence's chunks in order with its slice of the
-   running state in registers, doing only ``state = exp(cum[-1]) state + (x ∘ weight)ᵀ B``
-   (one small matmul) per chunk. Every address of a step follows from per-sequence scalars,
-   so nothing in the chain waits on a load of metadata. It writes each chunk's *entering*
+1. **State pass**, grid ``(H / state_heads, P / state_block_p, N / state_block_n, S)``: one
+   program per (heads, state slice, sequence) walks that sequence's chunks in order with its
+   slice of the running state of ``state_heads`` heads of one group in registers, doing only
+   ``state = exp(cum[-1]) state + (x ∘ weight)ᵀ B`` (one small matmul per head, B's tile
+   loaded once for them all) per chunk. Every address of a step follows from per-sequence
+   scalars, so nothing in the chain waits on a load of metadata. It writes each chunk's *entering*
    state (in the dot dtype: the output pass feeds it to a matmul anyway), the final states
    and the requested chunk states (state dtype).
-2. **Output pass**, grid ``(H, C / out_block_m, NC)``: every (head, block of target rows,
-   chunk) independently computes
+2. **Output pass**, grid ``(H / out_heads, C / out_block_m, NC)``: every (heads, block of
+   target rows, chunk) independently computes
    ``y_i = Σ_{j<=i} (C_i·B_j) exp(cum_i - cum_j) dt_j x_j + exp(cum_i) C_i·state_in + D x_i``,
    gated by ``silu(z)``: the diagonal block from the target block's own rows, then the
-   earlier blocks, unmasked. All loads of the target block are issued first.
+   earlier blocks, unmasked. All loads of the target block are issued first. ``C_i·B_j`` is
+   the same for every head of a group: computed once per program for its ``out_heads`` heads,
+   or (``out_gram``) read from a pre-pass, grid ``(G, C / out_block_m, NC)``, that writes it
+   per (group, chunk) in the dot dtype, ``[NC, G, C, C]``.
 
 Splitting keeps the serial chain short and leaves the bulk of the FLOPs to a pass with
 ``H * NC * C / out_block_m`` independent programs. The price is the entering states' round
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +58,17 @@ class BlockSizes:
     state_block_n: int = 128  # state columns per state-pass program (power of two)
     state_warps: int = 4
     state_stages: int = 3
+    # Heads of one group per state-pass program: they share the chunk's B tile, loaded once
+    # per step, so B's traffic and the step count fall by this factor.
+    state_heads: int = 1
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
+    # Heads of one group per output-pass program: they share the C and B loads and C·Bᵀ.
+    out_heads: int = 1
+    # C·Bᵀ per (group, chunk) from a pre-pass, stored in the dot dtype and read by every head
+    # of the group, instead of computed by each (head, row block) program.
+    out_gram: bool = False
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -139,6 +152,7 @@ def _state_kernel(
     head_dim: int,
     state_size: int,
     heads_per_group: int,
+    heads: int,
     block_p: int,
     block_n: int,
     has_init: bool,
@@ -146,8 +160,9 @@ def _state_kernel(
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
     entering_ref, final_ref, tracked_ref = rest
-    h, pb, nb, s = (pl.program_id(i) for i in range(4))
-    g = lax.div(h, heads_per_group)
+    hb, pb, nb, s = (pl.program_id(i) for i in range(4))
+    head_ids = [hb * heads + k for k in range(heads)]  # all in one group
+    g = lax.div(head_ids[0], heads_per_group)
     start, length = seq_start_ref[s], seq_len_ref[s]
     first, seq_chunks = seq_first_ref[s], seq_count_ref[s]
     first_count = count_ref[first]
@@ -158,42 +173,87 @@ def _state_kernel(
     state_mask = p_ok[:, None] & n_ok[None, :]
     p_slice, n_slice = pl.ds(pb * block_p, block_p), pl.ds(nb * block_n, block_n)
 
-    def step(j, state):
+    def step(j, states):
         # Chunk j's tokens from per-sequence scalars alone, so every address of the step is
         # known without a load: only the first chunk can be partial at its start.
         chunk = first + j
         offset = jnp.where(j == 0, 0, first_count + (j - 1) * chunk_size)
         rows = pl.ds(start + offset, chunk_size)
         t_ok = pos < length - offset
-        x = plgpu.load(x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        x_mask = t_ok[:, None] & p_ok[None, :]
+        # Every load of the step first; B's tile once for all the program's heads.
         b = plgpu.load(b_ref.at[rows, g, n_slice], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        weight = weight_ref[chunk, h, :]
-        decay = jnp.exp(cum_ref[chunk, h, chunk_size - 1])
+        xs = [plgpu.load(x_ref.at[rows, h, p_slice], mask=x_mask, other=0.0) for h in head_ids]
+        weights = [weight_ref[chunk, h, :] for h in head_ids]
+        decays = [jnp.exp(cum_ref[chunk, h, chunk_size - 1]) for h in head_ids]
+        b = b.astype(x_ref.dtype)
 
-        entering = entering_ref.at[chunk, h, p_slice, n_slice]
-        plgpu.store(entering, state.astype(entering_ref.dtype), mask=state_mask)
-        xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)  # [C, block_p]
-        state = decay * state + _dot(xw, b.astype(x_ref.dtype), (0, 0))
+        new_states = []
+        for h, x, weight, decay, state in zip(head_ids, xs, weights, decays, states, strict=True):
+            entering = entering_ref.at[chunk, h, p_slice, n_slice]
+            plgpu.store(entering, state.astype(entering_ref.dtype), mask=state_mask)
+            xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)  # [C, block_p]
+            new_states.append(decay * state + _dot(xw, b, (0, 0)))
 
         @pl.when(track_ref[chunk] != 0)
         def _():
-            plgpu.store(
-                tracked_ref.at[slot_ref[chunk], h, p_slice, n_slice],
-                state.astype(tracked_ref.dtype),
-                mask=state_mask,
-            )
+            slot = slot_ref[chunk]
+            for h, state in zip(head_ids, new_states, strict=True):
+                plgpu.store(
+                    tracked_ref.at[slot, h, p_slice, n_slice],
+                    state.astype(tracked_ref.dtype),
+                    mask=state_mask,
+                )
 
-        return state
+        return tuple(new_states)
 
-    if init_ref is not None:
+    def initial_state(h):
+        if init_ref is None:
+            return jnp.zeros((block_p, block_n), jnp.float32)
         state = plgpu.load(init_ref.at[s, h, p_slice, n_slice], mask=state_mask, other=0.0)
-        state = state.astype(jnp.float32)
-    else:
-        state = jnp.zeros((block_p, block_n), jnp.float32)
-    state = lax.fori_loop(0, seq_chunks, step, state)
-    plgpu.store(
-        final_ref.at[s, h, p_slice, n_slice], state.astype(final_ref.dtype), mask=state_mask
-    )
+        return state.astype(jnp.float32)
+
+    states = lax.fori_loop(0, seq_chunks, step, tuple(initial_state(h) for h in head_ids))
+    for h, state in zip(head_ids, states, strict=True):
+        plgpu.store(
+            final_ref.at[s, h, p_slice, n_slice], state.astype(final_ref.dtype), mask=state_mask
+        )
+
+
+def _gram_kernel(
+    lo_ref,  # i32[NC]
+    count_ref,  # i32[NC]
+    b_ref,  # [T, G, N]
+    c_ref,  # [T, G, N]
+    gram_ref,  # [NC, G, C, C] C·Bᵀ of each chunk, rows of the target block mb
+    *,
+    chunk_size: int,
+    state_size: int,
+    block_m: int,
+    block_n: int,
+):
+    g, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    count = count_ref[chunk]
+
+    @pl.when(mb * block_m < count)  # the output pass reads no row block past the chunk's end
+    def _():
+        lo = lo_ref[chunk]
+        n_ok = jnp.arange(block_n) < state_size
+        n_slice = pl.ds(0, block_n)
+        i_ok = mb * block_m + jnp.arange(block_m) < count
+        j_ok = jnp.arange(chunk_size) < count
+        c_i = plgpu.load(
+            c_ref.at[pl.ds(lo + mb * block_m, block_m), g, n_slice],
+            mask=i_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        b = plgpu.load(
+            b_ref.at[pl.ds(lo, chunk_size), g, n_slice],
+            mask=j_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        gram = _dot(c_i.astype(gram_ref.dtype), b.astype(gram_ref.dtype), (1, 1))
+        gram_ref[chunk, g, pl.ds(mb * block_m, block_m), :] = gram.astype(gram_ref.dtype)
 
 
 def _output_kernel(
@@ -210,18 +270,23 @@ def _output_kernel(
     head_dim: int,
     state_size: int,
     heads_per_group: int,
+    heads: int,
     block_m: int,
     block_n: int,
+    has_gram: bool,
     has_z: bool,
 ):
-    z_ref = rest[0] if has_z else None
-    y_ref = rest[-1]
-    h, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rest = list(rest)
+    gram_ref = rest.pop(0) if has_gram else None  # [NC, G, C, C]
+    z_ref = rest.pop(0) if has_z else None
+    (y_ref,) = rest
+    hb, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     count = count_ref[chunk]
 
     @pl.when(mb * block_m < count)
     def _():
-        g = lax.div(h, heads_per_group)
+        head_ids = [hb * heads + k for k in range(heads)]  # all in one group
+        g = lax.div(head_ids[0], heads_per_group)
         lo = lo_ref[chunk]
         dot_dtype = x_ref.dtype
         n_ok = jnp.arange(block_n) < state_size
@@ -229,22 +294,41 @@ def _output_kernel(
         pieces = [
             (pl.ds(off, size), off + jnp.arange(size) < head_dim) for off, size in _pieces(head_dim)
         ]
+        target = pl.ds(mb * block_m, block_m)
 
         def load_rows(kb):
-            """B, dt, cum and the x pieces of the chunk's row block kb."""
+            """The chunk's row block kb: B (unless C·Bᵀ comes from the pre-pass) and, per head,
+            dt, cum and the x pieces."""
             rows = pl.ds(lo + kb * block_m, block_m)
             r_ok = kb * block_m + jnp.arange(block_m) < count
-            b = plgpu.load(
-                b_ref.at[rows, g, n_slice], mask=r_ok[:, None] & n_ok[None, :], other=0.0
-            )
-            xs = [
-                plgpu.load(
-                    x_ref.at[rows, h, p_slice], mask=r_ok[:, None] & p_ok[None, :], other=0.0
-                )
-                for p_slice, p_ok in pieces
-            ]
+            b = None
+            if gram_ref is None:
+                b = plgpu.load(
+                    b_ref.at[rows, g, n_slice], mask=r_ok[:, None] & n_ok[None, :], other=0.0
+                ).astype(dot_dtype)
             block = pl.ds(kb * block_m, block_m)
-            return b.astype(dot_dtype), dt_ref[chunk, h, block], cum_ref[chunk, h, block], xs
+            per_head = [
+                (
+                    dt_ref[chunk, h, block],
+                    cum_ref[chunk, h, block],
+                    [
+                        plgpu.load(
+                            x_ref.at[rows, h, p_slice],
+                            mask=r_ok[:, None] & p_ok[None, :],
+                            other=0.0,
+                        )
+                        for p_slice, p_ok in pieces
+                    ],
+                )
+                for h in head_ids
+            ]
+            return b, per_head
+
+        def gram_block(kb, b_j):
+            """C_i·B_jᵀ for target rows i and source block kb, float32 [block_m, block_m]."""
+            if gram_ref is None:
+                return _dot(c_i, b_j, (1, 1))
+            return gram_ref[chunk, g, target, pl.ds(kb * block_m, block_m)].astype(jnp.float32)
 
         # Every load of the target block first, so their latencies overlap.
         rows_i = pl.ds(lo + mb * block_m, block_m)
@@ -253,53 +337,72 @@ def _output_kernel(
             c_ref.at[rows_i, g, n_slice], mask=i_ok[:, None] & n_ok[None, :], other=0.0
         )
         c_i = c_i.astype(dot_dtype)
-        b_i, dt_i, cum_i, x_i = load_rows(mb)
+        b_i, rows_i_per_head = load_rows(mb)
+        cb_diag = gram_block(mb, b_i)
         states_in = [
-            plgpu.load(
-                entering_ref.at[chunk, h, p_slice, n_slice],
-                mask=p_ok[:, None] & n_ok[None, :],
-                other=0.0,
-            )
-            for p_slice, p_ok in pieces
+            [
+                plgpu.load(
+                    entering_ref.at[chunk, h, p_slice, n_slice],
+                    mask=p_ok[:, None] & n_ok[None, :],
+                    other=0.0,
+                )
+                for p_slice, p_ok in pieces
+            ]
+            for h in head_ids
         ]
         z_i = [
-            plgpu.load(z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0)
-            for p_slice, p_ok in pieces
+            [
+                plgpu.load(
+                    z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
+                )
+                for p_slice, p_ok in pieces
+            ]
+            for h in head_ids
             if z_ref is not None
         ]
+        cum_i = [cum for _, cum, _ in rows_i_per_head]
 
-        def source_term(b_j, dt_j, cum_j, x_j, causal):
-            """Σ_j (C_i·B_j) exp(cum_i - cum_j) dt_j x_j over one source block, per piece."""
-            seg = cum_i[:, None] - cum_j[None, :]
-            if causal:  # the diagonal block: mask above it before exp (exponents there are > 0)
-                rel = jnp.arange(block_m)
-                seg = jnp.where(rel[:, None] >= rel[None, :], seg, -jnp.inf)
-            m = (_dot(c_i, b_j, (1, 1)) * jnp.exp(seg) * dt_j[None, :]).astype(dot_dtype)
-            return [_dot(m, x, (1, 0)) for x in x_j]
+        def source_terms(cb, per_head, causal):
+            """Σ_j (C_i·B_j) exp(cum_i - cum_j) dt_j x_j over one source block: per head, per
+            piece, flattened; C_i·B_j (``cb``) is shared by the heads."""
+            terms = []
+            for cum_i_h, (dt_j, cum_j, x_j) in zip(cum_i, per_head, strict=True):
+                seg = cum_i_h[:, None] - cum_j[None, :]
+                if causal:  # the diagonal block: mask above it before exp (exponents > 0 there)
+                    rel = jnp.arange(block_m)
+                    seg = jnp.where(rel[:, None] >= rel[None, :], seg, -jnp.inf)
+                m = (cb * jnp.exp(seg) * dt_j[None, :]).astype(dot_dtype)
+                terms.extend(_dot(m, x, (1, 0)) for x in x_j)
+            return terms
 
         # Inter-chunk term exp(cum_i) C_i · state_in, then the diagonal block.
-        exp_cum_i = jnp.exp(cum_i)[:, None]
-        accs = [
-            _dot(c_i, s_in, (1, 1)) * exp_cum_i + diag
-            for s_in, diag in zip(states_in, source_term(b_i, dt_i, cum_i, x_i, True), strict=True)
+        inter = [
+            _dot(c_i, s_in, (1, 1)) * jnp.exp(cum_i_h)[:, None]
+            for cum_i_h, head_states in zip(cum_i, states_in, strict=True)
+            for s_in in head_states
         ]
+        diag = source_terms(cb_diag, rows_i_per_head, causal=True)
+        accs = [a + b for a, b in zip(inter, diag, strict=True)]
 
         def earlier_block(kb, accs):  # source rows all before the target rows: no mask
-            terms = source_term(*load_rows(kb), causal=False)
+            b_j, per_head = load_rows(kb)
+            terms = source_terms(gram_block(kb, b_j), per_head, causal=False)
             return [acc + term for acc, term in zip(accs, terms, strict=True)]
 
         accs = lax.fori_loop(0, mb, earlier_block, accs)
-        d = d_ref[h]
-        for k, (acc, (p_slice, p_ok)) in enumerate(zip(accs, pieces, strict=True)):
-            y = acc + d * x_i[k].astype(jnp.float32)
-            if z_ref is not None:
-                zv = z_i[k].astype(jnp.float32)
-                y = y * zv / (1.0 + jnp.exp(-zv))  # silu(z)
-            plgpu.store(
-                y_ref.at[rows_i, h, p_slice],
-                y.astype(y_ref.dtype),
-                mask=i_ok[:, None] & p_ok[None, :],
-            )
+        for k, h in enumerate(head_ids):
+            d = d_ref[h]
+            x_i = rows_i_per_head[k][2]
+            for q, (p_slice, p_ok) in enumerate(pieces):
+                y = accs[k * len(pieces) + q] + d * x_i[q].astype(jnp.float32)
+                if z_ref is not None:
+                    zv = z_i[k][q].astype(jnp.float32)
+                    y = y * zv / (1.0 + jnp.exp(-zv))  # silu(z)
+                plgpu.store(
+                    y_ref.at[rows_i, h, p_slice],
+                    y.astype(y_ref.dtype),
+                    mask=i_ok[:, None] & p_ok[None, :],
+                )
 
 
 @functools.partial(
@@ -345,6 +448,8 @@ def ssd_varlen_gpu(
         ("state_block_p", bs.state_block_p),
         ("state_block_n", bs.state_block_n),
         ("out_block_m", bs.out_block_m),
+        ("state_heads", bs.state_heads),
+        ("out_heads", bs.out_heads),
     ):
         if value != _pow2(value):
             raise ValueError(f"Triton SSD kernels need a power-of-two {name}, got {value}")
@@ -360,6 +465,9 @@ def ssd_varlen_gpu(
     f32 = jnp.float32
     block_n = _pow2(state_size)
     heads_per_group = num_heads // num_groups
+    # Heads per program: powers of two, so gcd is the largest that divides the group.
+    state_heads = math.gcd(bs.state_heads, heads_per_group)
+    out_heads = math.gcd(bs.out_heads, heads_per_group)
 
     # Pass 0: dt processing and its per-chunk cumsum, every (head, chunk) at once.
     per_chunk_head = jax.ShapeDtypeStruct((nc, num_heads, chunk_size), f32)
@@ -409,12 +517,13 @@ def ssd_varlen_gpu(
             head_dim=head_dim,
             state_size=state_size,
             heads_per_group=heads_per_group,
+            heads=state_heads,
             block_p=block_p,
             block_n=state_block_n,
             has_init=initial_states is not None,
         ),
         grid=(
-            num_heads,
+            num_heads // state_heads,
             pl.cdiv(head_dim, block_p),
             pl.cdiv(state_size, state_block_n),
             num_seqs,
@@ -429,8 +538,24 @@ def ssd_varlen_gpu(
         name="ssd_varlen_gpu_states",
     )(*state_operands)
 
-    # Pass 2: every (head, row block, chunk) independently.
+    # Pass 2: every (heads, row block, chunk) independently.
     block_m = min(bs.out_block_m, chunk_size)
+    gram = None
+    if bs.out_gram:  # C·Bᵀ once per (group, row block, chunk) for all the group's heads
+        gram = pl.pallas_call(
+            functools.partial(
+                _gram_kernel,
+                chunk_size=chunk_size,
+                state_size=state_size,
+                block_m=block_m,
+                block_n=block_n,
+            ),
+            grid=(num_groups, chunk_size // block_m, nc),
+            out_shape=jax.ShapeDtypeStruct((nc, num_groups, chunk_size, chunk_size), x.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name="ssd_varlen_gpu_gram",
+        )(meta.token_lo, meta.token_count, B, C)
     out_operands = [
         jnp.zeros((num_heads,), f32) if D is None else D.astype(f32),
         meta.token_lo,
@@ -442,6 +567,8 @@ def ssd_varlen_gpu(
         cum_chunks,
         entering,
     ]
+    if gram is not None:
+        out_operands.append(gram)
     if z is not None:
         out_operands.append(z)
     y = pl.pallas_call(
@@ -450,11 +577,13 @@ def ssd_varlen_gpu(
             head_dim=head_dim,
             state_size=state_size,
             heads_per_group=heads_per_group,
+            heads=out_heads,
             block_m=block_m,
             block_n=block_n,
+            has_gram=gram is not None,
             has_z=z is not None,
         ),
-        grid=(num_heads, chunk_size // block_m, nc),
+        grid=(num_heads // out_heads, chunk_size // block_m, nc),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=bs.out_warps, num_stages=bs.out_stages),
         interpret=interpret,

@@ -32,7 +32,23 @@ KERNELS = {
         interpret=True,
         block_sizes=BlockSizes(state_block_p=4, state_block_n=8, out_block_m=4),
     ),
+    # Heads of a group sharing one program: B's tile in the state pass, C, B and C·Bᵀ in the
+    # output pass (4 asked; each case gets the largest power of two dividing its group: 1-4).
+    "gpu_heads": functools.partial(
+        ssd_varlen_gpu,
+        interpret=True,
+        block_sizes=BlockSizes(
+            state_block_p=4, state_block_n=8, state_heads=4, out_block_m=4, out_heads=4
+        ),
+    ),
+    # C·Bᵀ from the pre-pass, read by two heads per output program, several row blocks.
+    "gpu_gram": functools.partial(
+        ssd_varlen_gpu,
+        interpret=True,
+        block_sizes=BlockSizes(state_heads=16, out_block_m=4, out_heads=2, out_gram=True),
+    ),
 }
+GPU_VARIANTS = ["gpu", "gpu_blocks", "gpu_heads", "gpu_gram"]
 
 
 def _call(kernel, inp, cu, *, chunk_size=CHUNK, init=None, starts=None, **kwargs):
@@ -71,8 +87,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu", "gpu_blocks"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "kernel, case",
+    [
+        (kernel, case)
+        for kernel in ["tpu", *GPU_VARIANTS]
+        for case in CASES
+        # gpu_heads equals gpu_blocks where every group has one head
+        if not (kernel == "gpu_heads" and CASES[case][1] == CASES[case][3])
+    ],
+)
 def test_kernel_matches_recurrence_over_odd_lengths(kernel, case):
     dtype, heads, head_dim, groups, state, with_initial, unaligned = CASES[case]
     rng = np.random.default_rng(list(CASES).index(case))
@@ -84,7 +108,7 @@ def test_kernel_matches_recurrence_over_odd_lengths(kernel, case):
     _check_against_recurrence(out, inp, cu, init, starts, dtype)
 
 
-@pytest.mark.parametrize("kernel", ["gpu", "gpu_blocks", "tpu"])
+@pytest.mark.parametrize("kernel", [*GPU_VARIANTS, "tpu"])
 def test_kernel_matches_reference_with_state_chunks(kernel):
     """Chunk 16, P 80 split into P blocks, duplicate and unsorted requested chunks."""
     rng = np.random.default_rng(21)
@@ -107,11 +131,12 @@ def test_kernel_matches_reference_with_state_chunks(kernel):
     np.testing.assert_array_equal(final[2], inp["init"][2])  # empty sequence keeps its state
 
 
-def test_gpu_kernel_keeps_initial_states_of_an_all_empty_batch():
+@pytest.mark.parametrize("kernel", ["gpu", "gpu_gram"])  # gpu_gram: heads sharing both passes
+def test_gpu_kernel_keeps_initial_states_of_an_all_empty_batch(kernel):
     rng = np.random.default_rng(22)
     lengths = [0, 0, 0]
     inp = _inputs(rng, lengths, heads=2, head_dim=4, groups=1, state=8, dtype=jnp.float32, pad=9)
-    y, final = _call("gpu", inp, _cu(lengths), init=inp["init"])
+    y, final = _call(kernel, inp, _cu(lengths), init=inp["init"])
     np.testing.assert_array_equal(final, inp["init"])
     assert y.shape == inp["x"].shape
 
@@ -134,13 +159,25 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
         ssd_varlen(*args, **kwargs, return_chunk_states=True, state_chunks=cu[:2])
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform):
+# The shared-group GPU variants, lowered to Triton on CPU: 4 heads per group here, so 4 heads
+# per state-pass program, 2 per output-pass program, plus the C·Bᵀ pre-pass (a 4th kernel).
+SHARED = BlockSizes(state_heads=8, out_heads=2, out_gram=True)
+
+
+@pytest.mark.parametrize(
+    "platform, block_sizes, triton_calls",
+    [("tpu", None, 0), ("cuda", None, 3), ("cuda", SHARED, 4)],
+)
+def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform, block_sizes, triton_calls):
     """Nemotron-Nano mixer shapes (P 80, N 128, chunk 128), bf16, initial and tracked states."""
     tokens, heads, head_dim, groups, state, seqs = 512, 8, 80, 2, 128, 3
     sds = jax.ShapeDtypeStruct
     bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
-    kernel = ssd_varlen_tpu if platform == "tpu" else ssd_varlen_gpu
+    kernel = (
+        ssd_varlen_tpu
+        if platform == "tpu"
+        else functools.partial(ssd_varlen_gpu, block_sizes=block_sizes)
+    )
 
     def step(x, dt, A, B, C, cu, D, z, bias, init, starts, wanted):
         return kernel(
@@ -162,6 +199,7 @@ def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform):
         sds((seqs,), i32),
     )  # fmt: skip
     assert exported.platforms == (platform,)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == triton_calls
     assert [o.shape for o in exported.out_avals] == [
         (tokens, heads, head_dim),
         (seqs, heads, head_dim, state),
