@@ -12,6 +12,9 @@ The kernel is bound by reading W once, so everything serves a steady stream of W
   operand in a loop is what Triton's software pipeliner prefetches: ``num_stages`` W tiles
   are in flight (async copies into shared memory) while the current one is multiplied.
   x is re-read every step, but it is a few KB that stays in L1/L2.
+  For M = 1, ``single_row_fma`` instead multiply-adds each tile into a float32
+  ``[block_k, block_n]`` accumulator (no shared-memory staging, one reduction over K at the
+  end); which of the two streams better on the H200 is for ``bench_gemv.py --sweep`` to say.
 * The decode projections have few column blocks (N = 4480 is 35 blocks of 128) against
   132 SMs, so K is split until there are at least ``min_programs`` programs; each split
   writes float32 partials ``[split_k, M, N]`` that XLA sums and casts (a tiny pass that XLA
@@ -49,6 +52,9 @@ class BlockSizes:
     min_steps: int = 4
     num_warps: int = 4
     num_stages: int = 4
+    # M = 1 only: multiply-add W tiles into a float32 [block_k, block_n] accumulator and
+    # reduce over K once at the end, instead of the 16-row (15 of them zero) tensor-core dot.
+    single_row_fma: bool = False
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -80,6 +86,9 @@ SWEEP = (
     BlockSizes(min_programs=528),
     BlockSizes(block_n=64, min_programs=528),
     BlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=5),
+    BlockSizes(single_row_fma=True),
+    BlockSizes(single_row_fma=True, block_k=32, num_stages=3),
+    BlockSizes(single_row_fma=True, block_n=256, block_k=32, num_warps=8),
 )
 
 
@@ -93,6 +102,7 @@ def _kernel(
     block_k: int,
     steps: int,
     split_k: int,
+    fma: bool,
 ):
     num_rows, k_total = x_ref.shape
     n_total = w_ref.shape[1]
@@ -114,12 +124,19 @@ def _kernel(
         w_mask = both(None if k_mask is None else k_mask[:, None], n_mask)
         x_mask = both(row_mask, None if k_mask is None else k_mask[None, :])
         w_tile = w_ref.at[pl.ds(k0, block_k), pl.ds(n0, block_n)]
-        x_tile = x_ref.at[pl.ds(0, block_rows), pl.ds(k0, block_k)]
         w = w_tile[...] if w_mask is None else pltriton.load(w_tile, mask=w_mask, other=0)
+        if fma:  # one row: x's K slice as a column
+            x_tile = x_ref.at[jnp.int32(0), pl.ds(k0, block_k)]
+            x = x_tile[...] if k_mask is None else pltriton.load(x_tile, mask=k_mask, other=0)
+            return acc + x.astype(jnp.float32)[:, None] * w.astype(jnp.float32)
+        x_tile = x_ref.at[pl.ds(0, block_rows), pl.ds(k0, block_k)]
         x = x_tile[...] if x_mask is None else pltriton.load(x_tile, mask=x_mask, other=0)
         return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_rows, block_n), jnp.float32))
+    acc_shape = (block_k if fma else block_rows, block_n)
+    acc = lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, jnp.float32))
+    if fma:
+        acc = jnp.sum(acc, axis=0, keepdims=True)  # [1, block_n]
     out_mask = both(row_mask, n_mask)
     if split_k == 1:
         out = out_ref.at[pl.ds(0, block_rows), pl.ds(n0, block_n)]
@@ -152,7 +169,8 @@ def small_m_matmul_gpu(
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     split_k = bs.splits(k, n)
     steps = pl.cdiv(pl.cdiv(k, split_k), bs.block_k)
-    block_rows = max(MIN_DOT_DIM, 1 << (rows - 1).bit_length())
+    fma = bs.single_row_fma and rows == 1
+    block_rows = 1 if fma else max(MIN_DOT_DIM, 1 << (rows - 1).bit_length())
     if split_k == 1:
         out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
     else:
@@ -164,6 +182,7 @@ def small_m_matmul_gpu(
         block_k=bs.block_k,
         steps=steps,
         split_k=split_k,
+        fma=fma,
     )
     out = pl.pallas_call(
         kernel,

@@ -42,6 +42,7 @@ def _assert_close(got, want, dtype):
     "m, block_sizes",
     [
         (1, SMALL),  # split_k picked: 2 splits of K=200, the last one ragged
+        (1, BlockSizes(block_n=64, block_k=32, single_row_fma=True)),
         (3, BlockSizes(block_n=64, block_k=32, split_k=3)),  # 3 * 3 * 32 > 200: an empty tail
         (16, BlockSizes(block_n=128, block_k=64, split_k=1)),  # direct store, no partials
     ],
