@@ -118,20 +118,22 @@ def main() -> int:
         xla_s = None
         for label, matmul in impls:
             program = make_program(matmul, calls)
+            start = time.perf_counter()
             got = np.asarray(program(x, weights)[0], np.float32)  # compiles it, too
+            compile_s = time.perf_counter() - start
             err = float(np.abs(got - ref).max()) / scale
             ok = err <= 2e-2  # bf16 output rounding (2^-8) and f32 summation order
             seconds = time_program(program, x, weights, calls, reps)
             xla_s = seconds if xla_s is None else xla_s
             pct = 100 * nbytes(k, n, m) / seconds / HBM
             row = dict(case=name, K=k, N=n, M=m, impl=label, us=seconds * 1e6, hbm_pct=pct)
-            row.update(rel_err=err, ok=ok, calls=calls, vs_xla=xla_s / seconds)
+            row.update(rel_err=err, ok=ok, calls=calls, vs_xla=xla_s / seconds, compile_s=compile_s)
             results.append(row)
             failures += not ok
             status = "" if ok else f"  MISMATCH rel err {err:.2e}"
             print(
                 f"{name:15s} M={m:2d} {label:40s} {seconds * 1e6:9.1f} us {pct:5.1f} % HBM "
-                f"{xla_s / seconds:5.2f}x xla{status}",
+                f"{xla_s / seconds:5.2f}x xla (compile+run {compile_s:.1f} s){status}",
                 flush=True,
             )
         del weights
