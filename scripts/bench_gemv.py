@@ -114,6 +114,7 @@ def main() -> int:
                 lambda x, w, bs=bs: small_m_matmul_gpu(x, w, interpret=interpret, block_sizes=bs),
             )
             for bs in variants
+            if m == 1 or not bs.single_row_fma  # with more rows it is the dot path again
         ]
         xla_s = None
         for label, matmul in impls:
