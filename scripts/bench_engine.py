@@ -118,11 +118,10 @@ def main() -> None:
             print(f"budget spent: skipping {phase} {batch}x{length}")
             continue
         start = time.perf_counter()
-        name = f"{phase[0]}{batch}" + (f"x{length}" if phase == "prefill" else "")
-        if len(args.small_m_impls) > 1:
-            name += f"-small_m_{small_m}"
+        case = f"{phase[0]}{batch}" + (f"x{length}" if phase == "prefill" else "")
+        name = case + (f"-small_m_{small_m}" if len(args.small_m_impls) > 1 else "")
         print(f"{name}: small_m_impl={small_m}", flush=True)
-        trace_dir = f"{args.trace_dir}/{name}" if name in args.profile_cases else None
+        trace_dir = f"{args.trace_dir}/{name}" if case in args.profile_cases else None
         try:
             res = bench_one_batch(cfg, params, batch=batch, input_len=length,
                                   output_len=args.output_len, dtype=dtype, impl=args.impl,
