@@ -21,7 +21,9 @@ from model_helpers import builder, make_runner, row
 
 # Relative to max |y|: bf16 output rounding (2^-8) dominates; float32 sums differ in order only.
 RTOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-5}
-SMALL = BlockSizes(block_n=64, block_k=32)  # several blocks, and edges, along K=200 and N=333
+# Several blocks, and edges, along K=200 and N=333; min_steps=1 lets the automatic split
+# count reach 4 (4 splits of 2 steps of 32 rows: the last split is ragged).
+SMALL = BlockSizes(block_n=64, block_k=32, min_steps=1)
 
 
 def _inputs(m, k, n, dtype, seed=0):
@@ -41,7 +43,7 @@ def _assert_close(got, want, dtype):
 @pytest.mark.parametrize(
     "m, block_sizes",
     [
-        (1, SMALL),  # split_k picked: 2 splits of K=200, the last one ragged
+        (1, SMALL),
         (1, BlockSizes(block_n=64, block_k=32, single_row_fma=True)),
         (3, BlockSizes(block_n=64, block_k=32, split_k=3)),  # 3 * 3 * 32 > 200: an empty tail
         (16, BlockSizes(block_n=128, block_k=64, split_k=1)),  # direct store, no partials
@@ -55,7 +57,19 @@ def test_kernel_matches_reference_and_float64(m, block_sizes, dtype):
     _assert_close(got, small_m_matmul_ref(x, w), dtype)
 
 
+def test_nan_row_stays_in_its_row():
+    """Rows are independent: a NaN row of x (a pad row) poisons only its own output row."""
+    x, w = _inputs(5, 200, 333, jnp.bfloat16, seed=7)
+    x = x.at[2].set(jnp.nan)
+    got = np.asarray(small_m_matmul_gpu(x, w, interpret=True, block_sizes=SMALL), np.float64)
+    assert np.isnan(got[2]).all()
+    real = [0, 1, 3, 4]
+    want = np.asarray(x, np.float64)[real] @ np.asarray(w, np.float64)
+    _assert_close(got[real], want, jnp.bfloat16)
+
+
 def test_split_count_fills_the_machine_but_keeps_steps():
+    assert SMALL.splits(200, 333) == 4
     bs = BlockSizes(block_n=128, block_k=64, min_programs=264, min_steps=4)
     assert bs.splits(4480, 131072) == 1  # 1024 column blocks already
     assert bs.splits(10240, 4480) == 8  # 35 blocks -> 280 programs
