@@ -17,8 +17,9 @@ The kernel is bound by reading W once, so everything serves a steady stream of W
   end); which of the two streams better on the H200 is for ``bench_gemv.py --sweep`` to say.
 * The decode projections have few column blocks (N = 4480 is 35 blocks of 128) against
   132 SMs, so K is split until there are at least ``min_programs`` programs; each split
-  writes float32 partials ``[split_k, M, N]`` that XLA sums and casts (a tiny pass that XLA
-  fuses into the consumer when it can). ``split_k = 1`` writes the output directly.
+  writes float32 partials ``[split_k, M, N]`` that XLA sums and casts: a tiny extra pass
+  (its launch is the cost at batch 1; XLA may fuse it into the consumer, e.g. the MLP's
+  relu², not verified). ``split_k = 1`` writes the output directly.
 
 K and N need not be multiples of the blocks: the edge tiles are masked (zeros in, nothing
 out), and masks are only emitted where a dimension has an edge.
