@@ -93,6 +93,7 @@ def bench_one_batch(
     dtype=jnp.bfloat16,
     page_size: int = 16,
     impl: str = "auto",
+    small_m_impl: str | None = None,
     repeats: int = 5,
     phases: tuple[str, ...] = ("prefill", "decode"),
     max_setup_tokens: int = 32768,
@@ -110,7 +111,7 @@ def bench_one_batch(
     max_len = input_len + output_len + 1
     pages_per_seq = -(-max_len // page_size)
     spec = CacheSpec(num_slots=batch, num_pages=batch * pages_per_seq, page_size=page_size)
-    runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl)
+    runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl, small_m_impl=small_m_impl)
     builder = StepBuilder(spec, pages_per_seq, cfg.vocab_size, cfg.chunk_size)
     rng = np.random.default_rng(0)
     pages = lambda r: list(range(r * pages_per_seq, (r + 1) * pages_per_seq))  # noqa: E731

@@ -77,11 +77,12 @@ def cmd_bench(args) -> int:
         for input_len in args.input_len:
             print(
                 f"bench {cfg.name or args.model}: batch {batch}, input {input_len}, "
-                f"output {args.output_len}, {jnp.dtype(dtype).name}, impl={args.impl}"
+                f"output {args.output_len}, {jnp.dtype(dtype).name}, impl={args.impl}, "
+                f"small_m_impl={args.small_m_impl}"
             )
             results += bench_one_batch(
                 cfg, params, batch=batch, input_len=input_len, output_len=args.output_len,
-                dtype=dtype, impl=args.impl,
+                dtype=dtype, impl=args.impl, small_m_impl=args.small_m_impl,
             )  # fmt: skip
     print(format_results(results))
     return 0
@@ -105,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--input-len", type=int, nargs="+", default=[512])
     bench.add_argument("--output-len", type=int, default=32)
     bench.add_argument("--impl", default="auto", choices=["auto", "ref", "pallas"])
+    bench.add_argument(
+        "--small-m-impl",
+        choices=["auto", "ref", "pallas"],
+        help="run the projections of decode-sized steps (<= 16 tokens) through small_m_matmul "
+        "with this impl (default: XLA's dot)",
+    )
     bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:

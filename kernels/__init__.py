@@ -10,6 +10,7 @@ Notation (dimension letters used in every shape comment):
   C   chunk size           NC  number of chunks (static: T // C + 2S)
   Hq, Hkv  query / key-value heads    Dh  attention head dim
   NP  KV pages (+1 pad page)   PS  page size   R  page-table rows   MP  pages per row
+  small_m_matmul (a plain matmul) uses its own letters: x [M, K] @ W [K, N]
 
 Every public op takes ``impl="auto"|"ref"|"pallas"|"interpret"`` (see ``dispatch.py``);
 the ``*_ref`` functions are the plain-jnp references with float32 accumulation.
@@ -25,6 +26,7 @@ from .conv1d import (
     token_seq_ids,
 )
 from .dispatch import IMPLS, select_impl
+from .matmul import small_m_matmul, small_m_matmul_ref
 from .ssd import ChunkLayout, build_chunk_layout, num_chunks, process_dt, ssd_varlen, ssd_varlen_ref
 from .state_update import selective_state_update, selective_state_update_ref
 
@@ -44,6 +46,8 @@ __all__ = [
     "select_impl",
     "selective_state_update",
     "selective_state_update_ref",
+    "small_m_matmul",
+    "small_m_matmul_ref",
     "ssd_varlen",
     "ssd_varlen_ref",
     "token_seq_ids",

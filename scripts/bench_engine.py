@@ -85,6 +85,13 @@ def main() -> None:
     p.add_argument("--decode-context", type=int, default=512)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--impl", default="auto")
+    p.add_argument(
+        "--small-m-impls",
+        nargs="+",
+        default=["none"],
+        help="run every case once per value: 'none' (XLA's dot) or the impl of small_m_matmul "
+        "for the projections of decode-sized steps (e.g. 'auto')",
+    )
     p.add_argument("--compare-tokens", type=int, default=0, help="pallas-vs-ref prefill check")
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--out", default="bench.json")
@@ -105,20 +112,24 @@ def main() -> None:
     results: list[BenchResult] = []
     profiles: list[str] = []
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": []}
-    for phase, batch, length in cases:
+    runs = [(*case, small_m) for case in cases for small_m in args.small_m_impls]
+    for phase, batch, length, small_m in runs:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: skipping {phase} {batch}x{length}")
             continue
         start = time.perf_counter()
-        name = f"{phase[0]}{batch}" + (f"x{length}" if phase == "prefill" else "")
-        trace_dir = f"{args.trace_dir}/{name}" if name in args.profile_cases else None
+        case = f"{phase[0]}{batch}" + (f"x{length}" if phase == "prefill" else "")
+        name = case + (f"-small_m_{small_m}" if len(args.small_m_impls) > 1 else "")
+        print(f"{name}: small_m_impl={small_m}", flush=True)
+        trace_dir = f"{args.trace_dir}/{name}" if case in args.profile_cases else None
         try:
             res = bench_one_batch(cfg, params, batch=batch, input_len=length,
                                   output_len=args.output_len, dtype=dtype, impl=args.impl,
+                                  small_m_impl=None if small_m == "none" else small_m,
                                   repeats=3, phases=(phase,), trace_dir=trace_dir,
                                   log=lambda m: print(m, flush=True))  # fmt: skip
             results += res
-            record["cases"] += [r.__dict__ for r in res]
+            record["cases"] += [dict(r.__dict__, small_m_impl=small_m) for r in res]
             if trace_dir:
                 steps = 1 if phase == "prefill" else args.output_len
                 summary = summarize_trace(f"{trace_dir}/{phase}", steps)

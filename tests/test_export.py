@@ -22,6 +22,7 @@ from jaxmamba.kernels import (
     causal_conv1d_varlen,
     paged_attention,
     selective_state_update,
+    small_m_matmul,
 )
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params
@@ -147,3 +148,26 @@ def test_model_step_exports_with_platform_kernels(tiny, platform, step):
     assert module.count(MARKERS[platform]) >= expected
     assert f"paged_attention_{PLATFORMS[platform]}" in module
     assert exported.platforms == (platform,)
+
+
+def test_small_m_matmul_kernel_exports_for_cuda():
+    fn = jax.jit(lambda x, w: small_m_matmul(x, w, impl="pallas_gpu"))
+    module = _export(fn, "cuda", _spec((1, 4480)), _spec((4480, 22656))).mlir_module()
+    assert module.count(MARKERS["cuda"]) == 1 and "small_m_matmul" in module
+
+
+def test_decode_step_exports_for_cuda_with_small_m_matmul(tiny):
+    """The opt-in switch: every projection Linear of a decode step becomes the GEMV kernel."""
+    cfg, params = tiny
+    spec = CacheSpec(num_slots=4, num_pages=4 * MAX_PAGES, page_size=PAGE_SIZE)
+    runner = ModelRunner(
+        cfg, params, spec, dtype=jnp.bfloat16, impl="auto_gpu", small_m_impl="auto_gpu"
+    )
+    rng = np.random.default_rng(0)
+    rows = [row([int(rng.integers(0, 256))], 9, slot=i) for i in range(2)]
+    inputs = builder(runner).build(rows, Bucket(4, 4, 4))
+    args, kwargs = runner.step_args(inputs, 4)
+    module = _export(jitted_step, "cuda", *args, **kwargs).mlir_module()
+    linears = 2 * cfg.num_mamba_layers + 4 * cfg.num_attention_layers
+    linears += 2 * cfg.layer_types.count("mlp")
+    assert module.count("small_m_matmul") >= linears

@@ -119,12 +119,13 @@ class ModelRunner:
         *,
         dtype=jnp.float32,
         impl: str = "auto",
+        small_m_impl: str | None = None,
     ):
         self.cfg = cfg
         self.params = params
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
-        self.model = Mamba2HybridLM(cfg, self.dtype, impl)
+        self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
         self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
         self.last_tokens = jnp.zeros(cache_spec.num_slots + 1, jnp.int32)
         self._static = dict(model=self.model, spec=cache_spec)

@@ -15,6 +15,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Dtype
     impl: str = "auto"
+    small_m_impl: str | None = None  # see Linear
 
     @nn.compact
     def __call__(
@@ -28,9 +29,12 @@ class Attention(nn.Module):
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
         num_tokens = x.shape[0]
-        q = Linear(hq * dh, ("embed", "q_heads"), bias, self.dtype, name="q_proj")(x)
-        k = Linear(hkv * dh, ("embed", "kv_heads"), bias, self.dtype, name="k_proj")(x)
-        v = Linear(hkv * dh, ("embed", "kv_heads"), bias, self.dtype, name="v_proj")(x)
+        linear = lambda features, axes, name: Linear(  # noqa: E731
+            features, axes, bias, self.dtype, self.small_m_impl, name=name
+        )
+        q = linear(hq * dh, ("embed", "q_heads"), "q_proj")(x)
+        k = linear(hkv * dh, ("embed", "kv_heads"), "k_proj")(x)
+        v = linear(hkv * dh, ("embed", "kv_heads"), "v_proj")(x)
         k_pages, v_pages = write_kv(
             k_pages,
             v_pages,
@@ -48,7 +52,7 @@ class Attention(nn.Module):
             scale=dh**-0.5,
             impl=self.impl,
         )
-        out = Linear(cfg.hidden_size, ("q_heads", "embed"), bias, self.dtype, name="o_proj")(
+        out = linear(cfg.hidden_size, ("q_heads", "embed"), "o_proj")(
             o.reshape(num_tokens, hq * dh)
         )
         return out, k_pages, v_pages

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmamba.kernels.matmul import MAX_ROWS, small_m_matmul
+
 Dtype = Any
 
 
@@ -22,12 +24,17 @@ def matmul_precision(dtype: Dtype) -> lax.Precision:
 
 
 class Linear(nn.Module):
-    """`y = x @ kernel (+ bias)` with kernel `[in, out]`, accumulated in float32."""
+    """`y = x @ kernel (+ bias)` with kernel `[in, out]`, accumulated in float32.
+
+    `small_m_impl` (None: always XLA's dot) routes inputs of at most `MAX_ROWS` rows — decode
+    steps — through `small_m_matmul` with that impl; longer inputs keep XLA's dot.
+    """
 
     features: int
     axes: tuple[str | None, str | None]
     use_bias: bool = False
     dtype: Dtype = jnp.float32
+    small_m_impl: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -37,12 +44,20 @@ class Linear(nn.Module):
             (x.shape[-1], self.features),
             self.dtype,
         )
-        y = jnp.dot(
-            x.astype(self.dtype),
-            kernel,
-            preferred_element_type=jnp.float32,
-            precision=matmul_precision(self.dtype),
-        )
+        x = x.astype(self.dtype)
+        rows = x.size // x.shape[-1]
+        if self.small_m_impl is not None and 0 < rows <= MAX_ROWS:
+            # Loaded params already have the model dtype (the cast is a no-op); params kept in
+            # another dtype (float32 test params in a bf16 model) are rounded to it here.
+            y = small_m_matmul(
+                x.reshape(rows, x.shape[-1]),
+                kernel.astype(self.dtype),
+                out_dtype=jnp.float32 if self.use_bias else self.dtype,
+                impl=self.small_m_impl,
+            ).reshape(*x.shape[:-1], self.features)
+        else:
+            precision = matmul_precision(self.dtype)
+            y = jnp.dot(x, kernel, preferred_element_type=jnp.float32, precision=precision)
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -105,13 +120,13 @@ class ReluSquaredMLP(nn.Module):
     intermediate_size: int
     use_bias: bool
     dtype: Dtype = jnp.float32
+    small_m_impl: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = Linear(
-            self.intermediate_size, ("embed", "mlp"), self.use_bias, self.dtype, name="up_proj"
-        )(x)
+        linear = lambda features, axes, name: Linear(  # noqa: E731
+            features, axes, self.use_bias, self.dtype, self.small_m_impl, name=name
+        )
+        h = linear(self.intermediate_size, ("embed", "mlp"), "up_proj")(x)
         h = jnp.square(jax.nn.relu(h.astype(jnp.float32))).astype(self.dtype)
-        return Linear(
-            self.hidden_size, ("mlp", "embed"), self.use_bias, self.dtype, name="down_proj"
-        )(h)
+        return linear(self.hidden_size, ("mlp", "embed"), "down_proj")(h)

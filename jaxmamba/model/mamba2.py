@@ -62,6 +62,7 @@ class Mamba2Mixer(nn.Module):
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     impl: str = "auto"
+    small_m_impl: str | None = None  # see Linear
 
     @nn.compact
     def __call__(
@@ -83,7 +84,12 @@ class Mamba2Mixer(nn.Module):
         num_tokens = x.shape[0]
 
         zxbcdt = Linear(
-            cfg.in_proj_dim, ("embed", "mamba_in"), cfg.mamba_proj_bias, self.dtype, name="in_proj"
+            cfg.in_proj_dim,
+            ("embed", "mamba_in"),
+            cfg.mamba_proj_bias,
+            self.dtype,
+            self.small_m_impl,
+            name="in_proj",
         )(x)
         z, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
 
@@ -163,6 +169,7 @@ class Mamba2Mixer(nn.Module):
             ("mamba_inner", "embed"),
             cfg.mamba_proj_bias,
             self.dtype,
+            self.small_m_impl,
             name="out_proj",
         )(y)
         return out, conv_pool, ssm_pool

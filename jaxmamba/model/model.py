@@ -32,23 +32,25 @@ class Block(nn.Module):
     layer_type: str
     dtype: Dtype
     impl: str = "auto"
+    small_m_impl: str | None = None
 
     @nn.compact
     def __call__(self, x, cache_entry, meta):
-        h = RMSNorm(self.cfg.norm_eps, self.dtype, name="norm")(x)
+        cfg, small_m = self.cfg, self.small_m_impl
+        h = RMSNorm(cfg.norm_eps, self.dtype, name="norm")(x)
         if self.layer_type == "mamba":
-            out, *cache_entry = Mamba2Mixer(self.cfg, self.dtype, self.impl, name="mixer")(
+            out, *cache_entry = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, name="mixer")(
                 h, *cache_entry, meta
             )
         elif self.layer_type == "attention":
-            out, *cache_entry = Attention(self.cfg, self.dtype, self.impl, name="mixer")(
+            out, *cache_entry = Attention(cfg, self.dtype, self.impl, small_m, name="mixer")(
                 h, *cache_entry, meta
             )
         else:
-            cfg = self.cfg
             out = ReluSquaredMLP(
-                cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, self.dtype, name="mixer"
-            )(h)
+                cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, self.dtype,
+                small_m, name="mixer",
+            )(h)  # fmt: skip
         return x + out.astype(jnp.float32), tuple(cache_entry)
 
 
@@ -70,9 +72,15 @@ class LMHead(nn.Module):
 
 
 class Mamba2HybridLM(nn.Module):
+    """`small_m_impl` (opt-in; None, the default, keeps XLA's dot everywhere) is the impl of
+    `small_m_matmul` for every projection Linear of a step of at most `kernels.matmul.MAX_ROWS`
+    tokens (the decode buckets), e.g. "auto" for the Pallas GPU kernel on CUDA. Longer steps
+    and the lm_head keep XLA's dot. Not yet measured at model level."""
+
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     impl: str = "auto"
+    small_m_impl: str | None = None
 
     def setup(self):
         cfg = self.cfg
@@ -86,7 +94,8 @@ class Mamba2HybridLM(nn.Module):
             ),
         )
         self.layers = [
-            Block(cfg, layer_type, self.dtype, self.impl) for layer_type in cfg.layer_types
+            Block(cfg, layer_type, self.dtype, self.impl, self.small_m_impl)
+            for layer_type in cfg.layer_types
         ]
         self.norm_f = RMSNorm(cfg.norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
