@@ -42,10 +42,10 @@ total number of (program, chunk) steps across cases, not with the longest chain,
 bound by per-step overhead (dt softplus, a scan and reductions, layout conversions, B
 reloaded by 80 programs per chunk) at ~2 resident programs per SM; the output pass runs at
 ~140 TFLOP/s and ~1.2 TB/s, exposing several memory latencies per program. See
-docs/ssd_gpu_notes.md for the sweep and the next version (branch ssd-v2, not yet measured).
+docs/ssd_gpu_notes.md for the sweep and the versions after it.
 
 The kernel is now that next version ("v2", measured in docs/benchmarks.md). The sweep also
-times the shared-group variants (branch ssd3, not yet measured): state pass with 2-16 heads of
+times the shared-group variants (not yet measured): state pass with 2-16 heads of
 a group per program sharing B's tile (`state_heads`), output pass with C·Bᵀ from a pre-pass
 (`out_gram`) or shared by 2-4 heads per program (`out_heads`).
 """
