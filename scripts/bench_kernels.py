@@ -222,6 +222,40 @@ def report(case, ours, xla, sgl, nbytes):
 # --------------------------------------------------------------------------- state update
 
 
+def time_decode_kernels(
+    checked, ours_fn, ref_fn, step_op, pools, inputs, variants, steps, reps, max_calls, nbytes, scan
+):
+    """Check and time our decode program and the reference (``steps`` launches a program,
+    several programs back to back up to ``max_calls`` steps), then the sweep's variants, each
+    checked before it is timed; returns (ours, ref) seconds per step."""
+    checked("ours", ours_fn)
+    graphed = uses_command_buffer(ours_fn, pools.fresh(), inputs) if not SMOKE else False
+    calls = max(1, max_calls // steps)
+
+    def timed(key, fn):
+        return median_time(pools.caller(key, fn, inputs), reps, calls) / steps
+
+    ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
+    print(f"    ours: XLA command buffer (CUDA graph) = {graphed}")
+    if scan:
+        stacked = tuple(jnp.stack(v) for v in zip(*inputs, strict=True))
+        t = median_time(pools.caller("scan", scan_program(step_op(IMPL)), stacked), reps) / steps
+        print(
+            f"    ours timed the earlier way (lax.scan, stacked inputs/outputs): {t * 1e6:.1f} us"
+        )
+    for name, kernel in variants.items():
+        try:
+            fn = decode_program(step_op(kernel=kernel), steps)
+            checked(name, fn)
+            t = timed(name, fn)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
+            continue
+        print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
+    pools.live.clear()
+    return ours, xla
+
+
 def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None, scan=False):
     variants = variants or {}
     slots_total = 256 if rows <= 32 else 2 * rows  # real slots; the pool has one more (pad)
@@ -259,29 +293,10 @@ def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None, sca
         check(f"ssu bs{rows} {name} y", jnp.stack(ys).astype(jnp.float32), ref_y, 1e-2)
         check(f"ssu bs{rows} {name} state", pool, ref_pool, 1e-4)
 
-    checked("ours", ours_fn)
-    graphed = uses_command_buffer(ours_fn, pools.fresh(), inputs) if not SMOKE else False
-    calls = max(1, 16 // steps)
-    timed = lambda key, fn: median_time(pools.caller(key, fn, inputs), reps, calls) / steps  # noqa: E731
-    ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
     nbytes = 2 * rows * H * P * N * 4 + rows * (2 * H * P + H + 2 * G * N) * 2
-    print(f"    ours: XLA command buffer (CUDA graph) = {graphed}")
-    if scan:
-        stacked = tuple(jnp.stack(v) for v in zip(*inputs, strict=True))
-        t = median_time(pools.caller("scan", scan_program(step_op(IMPL)), stacked), reps) / steps
-        print(
-            f"    ours timed the earlier way (lax.scan, stacked inputs/outputs): {t * 1e6:.1f} us"
-        )
-    for name, kernel in variants.items():
-        try:
-            fn = decode_program(step_op(kernel=kernel), steps)
-            checked(name, fn)
-            t = timed(name, fn)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
-            print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
-            continue
-        print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
-    pools.live.clear()
+    ours, xla = time_decode_kernels(
+        checked, ours_fn, ref_fn, step_op, pools, inputs, variants, steps, reps, 16, nbytes, scan
+    )
 
     sgl = None
     if HAVE_SGL:
@@ -416,29 +431,10 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None, scan
         out_pool, want = out_pool.astype(jnp.float32), ref_pool.astype(jnp.float32)
         check(f"conv update bs{rows} {name} state", out_pool, want, 1e-6)
 
-    checked("ours", ours_fn)
-    graphed = uses_command_buffer(ours_fn, pools.fresh(), inputs) if not SMOKE else False
-    calls = max(1, 64 // steps)
-    timed = lambda key, fn: median_time(pools.caller(key, fn, inputs), reps, calls) / steps  # noqa: E731
-    ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
     nbytes = rows * (2 * (K - 1) * DIM * 2 + 2 * DIM * 2) + (K + 1) * DIM * 2
-    print(f"    ours: XLA command buffer (CUDA graph) = {graphed}")
-    if scan:
-        stacked = tuple(jnp.stack(v) for v in zip(*inputs, strict=True))
-        t = median_time(pools.caller("scan", scan_program(step_op(IMPL)), stacked), reps) / steps
-        print(
-            f"    ours timed the earlier way (lax.scan, stacked inputs/outputs): {t * 1e6:.1f} us"
-        )
-    for name, kernel in variants.items():
-        try:
-            fn = decode_program(step_op(kernel=kernel), steps)
-            checked(name, fn)
-            t = timed(name, fn)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
-            print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
-            continue
-        print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
-    pools.live.clear()
+    ours, xla = time_decode_kernels(
+        checked, ours_fn, ref_fn, step_op, pools, inputs, variants, steps, reps, 64, nbytes, scan
+    )
 
     sgl = None
     if HAVE_SGL:
