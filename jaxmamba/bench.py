@@ -184,14 +184,9 @@ def format_results(results: list[BenchResult]) -> str:
     return "\n".join(lines)
 
 
-def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
-    """Kernel time on the accelerator's streams of a ``jax.profiler`` trace, per step.
-
-    Counts complete events on threads named ``Stream ...`` of ``/device:...`` processes (the
-    kernels and copies as the GPU ran them, not the XLA-op rows that mirror them). ``busy``
-    is the summed kernel time, ``span`` the first start to the last end: a span well above
-    ``busy`` means the device idled between kernels (launch or host bound).
-    """
+def load_trace_events(trace_dir: str) -> list[dict]:
+    """The events of the newest perfetto trace (``*.trace.json.gz``) a ``jax.profiler.trace``
+    wrote under ``trace_dir``."""
     import glob
     import gzip
     import json
@@ -202,7 +197,18 @@ def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
         raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
     with gzip.open(max(paths, key=os.path.getmtime)) as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
+    """Kernel time on the accelerator's streams of a ``jax.profiler`` trace, per step.
+
+    Counts complete events on threads named ``Stream ...`` of ``/device:...`` processes (the
+    kernels and copies as the GPU ran them, not the XLA-op rows that mirror them). ``busy``
+    is the summed kernel time, ``span`` the first start to the last end: a span well above
+    ``busy`` means the device idled between kernels (launch or host bound).
+    """
+    events = load_trace_events(trace_dir)
     device_pids = {
         e["pid"] for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
-import gzip
-import json
-import os
 import tempfile
 import time
 
@@ -22,6 +18,7 @@ import jax.extend
 import numpy as np
 
 from jaxmamba import LLM, SamplingParams
+from jaxmamba.bench import load_trace_events
 
 CALLBACKS = ("callback", "infeed", "outfeed")
 SYNC_MARKERS = ("Synchronize", "MemcpyDtoH", "Memcpy DtoH", "memcpy_d2h", "DeviceToHost")
@@ -60,15 +57,11 @@ def profile_syncs(llm: LLM, prompts, sp) -> dict[str, int]:
     trace_dir = tempfile.mkdtemp(prefix="jaxmamba-trace-")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         llm.generate(prompt_token_ids=prompts, sampling_params=sp)
-    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     counts: dict[str, int] = {}
-    for path in files:
-        with gzip.open(path) as f:
-            events = json.load(f)
-        for ev in events.get("traceEvents", events) if isinstance(events, dict) else events:
-            name = str(ev.get("name", ""))
-            if any(m in name for m in SYNC_MARKERS):
-                counts[name] = counts.get(name, 0) + 1
+    for ev in load_trace_events(trace_dir):  # one trace: a fresh folder per call
+        name = str(ev.get("name", ""))
+        if any(m in name for m in SYNC_MARKERS):
+            counts[name] = counts.get(name, 0) + 1
     return counts
 
 
