@@ -200,15 +200,11 @@ def load_trace_events(trace_dir: str) -> list[dict]:
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
-def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
-    """Kernel time on the accelerator's streams of a ``jax.profiler`` trace, per step.
-
-    Counts complete events on threads named ``Stream ...`` of ``/device:...`` processes (the
-    kernels and copies as the GPU ran them, not the XLA-op rows that mirror them). ``busy``
-    is the summed kernel time, ``span`` the first start to the last end: a span well above
-    ``busy`` means the device idled between kernels (launch or host bound).
-    """
-    events = load_trace_events(trace_dir)
+def device_kernel_events(trace_dir: str, events: list[dict] | None = None) -> list[dict]:
+    """The complete events on threads named ``Stream ...`` of ``/device:...`` processes of a
+    ``jax.profiler`` trace: the kernels and copies as the GPU ran them, not the XLA-op rows
+    that mirror them. ``ts`` and ``dur`` are in µs."""
+    events = load_trace_events(trace_dir) if events is None else events
     device_pids = {
         e["pid"] for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -219,15 +215,27 @@ def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
         if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in device_pids
         and str(e.get("args", {}).get("name", "")).startswith("Stream")
     }  # fmt: skip
-    kernels = [
-        e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in stream_tids
+    return [
+        {**e, "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))}
+        for e in events
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in stream_tids
     ]
+
+
+def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
+    """Kernel time on the accelerator's streams of a ``jax.profiler`` trace, per step
+    (``device_kernel_events``). ``busy`` is the summed kernel time, ``span`` the first start
+    to the last end: a span well above ``busy`` means the device idled between kernels
+    (launch or host bound).
+    """
+    events = load_trace_events(trace_dir)
+    kernels = device_kernel_events(trace_dir, events)
     by_name: dict[str, list[float]] = {}
     for e in kernels:
-        by_name.setdefault(e["name"], []).append(float(e.get("dur", 0.0)))
+        by_name.setdefault(e["name"], []).append(e["dur"])
     busy = sum(sum(v) for v in by_name.values())
     span = (
-        max(e["ts"] + e.get("dur", 0.0) for e in kernels) - min(e["ts"] for e in kernels)
+        max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
         if kernels else 0.0
     )  # fmt: skip
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]

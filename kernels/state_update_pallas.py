@@ -262,6 +262,9 @@ class GpuBlockSizes:
     state: int = 128  # columns of N a tile
     num_warps: int = 4
     num_stages: int = 1
+    # Cache eviction hint for the state's load and store ("evict_first": the state streams
+    # through once, so L2 keeps x, B, C and the scalars instead); None: the default policy.
+    state_eviction: str | None = None
 
 
 def largest_divisor(n: int, cap: int) -> int:
@@ -275,6 +278,7 @@ def _gpu_kernel(
     tiles: int,
     bn: int,
     heads_per_group: int,
+    eviction: str | None,
     slots_ref,
     state_ref,
     x_ref,
@@ -292,7 +296,10 @@ def _gpu_kernel(
     ns = [pl.ds(n0, bn) for n0 in range(0, state_ref.shape[-1], bn)]
     # Every load is issued before anything waits on one, the state first: the slot is then
     # the only latency in front of the state (processing dt first would add a second).
-    h = [[state_ref[slot, head, p, n] for n in ns] for p in ps]
+    h = [
+        [pltriton.load(state_ref.at[slot, head, p, n], eviction_policy=eviction) for n in ns]
+        for p in ps
+    ]
     xs = [x_ref[row, head, p] for p in ps]
     zs = [None if z_ref is None else z_ref[row, head, p] for p in ps]
     bs = [b_ref[row, group, n] for n in ns]
@@ -309,7 +316,11 @@ def _gpu_kernel(
         y = jnp.zeros((bp,), _F32)
         for j, n in enumerate(ns):
             hij = decay * h[i][j].astype(_F32) + dtx * bs[j].astype(_F32)[None, :]
-            state_out_ref[slot, head, p, n] = hij.astype(state_out_ref.dtype)
+            pltriton.store(
+                state_out_ref.at[slot, head, p, n],
+                hij.astype(state_out_ref.dtype),
+                eviction_policy=eviction,
+            )
             y = y + jnp.sum(hij * cs[j].astype(_F32)[None, :], axis=1)
         if skip is not None:
             y = y + skip * x
@@ -344,7 +355,9 @@ def selective_state_update_gpu(
     bn = pow2_divisor(state_size, bs.state)
     opts = _Options(D is not None, z is not None, dt_bias is not None, dt_softplus, dt_limit)
     optional = [a for a in (D, z, dt_bias) if a is not None]
-    kernel = functools.partial(_gpu_kernel, opts, bp, tiles, bn, num_heads // num_groups)
+    kernel = functools.partial(
+        _gpu_kernel, opts, bp, tiles, bn, num_heads // num_groups, bs.state_eviction
+    )
     y, new_state = pl.pallas_call(
         kernel,
         # P blocks vary fastest: neighbouring programs stream one slot's contiguous state.

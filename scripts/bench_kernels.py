@@ -17,6 +17,15 @@ as several calls dispatched back to back and one sync (host dispatch overlaps th
 as graph replay does); each case prints whether XLA put the program into a CUDA graph
 (command buffer). Prefill cases rotate two input sets (2 x 400 MB). Median of ``--reps``.
 
+XLA does not put these programs into CUDA graphs, so at small batch that wall time is the
+host's launch time, not the kernel's. The engine's decode step is one XLA program whose GPU
+is busy 95 % of the time at batch 1: the host runs ahead and a kernel costs its device
+time. So, at the end of the run (after every SGLang graph: once the profiler has run,
+torch's graph capture fails), each decode case is also timed "in a busy program": the steps
+behind a ~5 ms matmul they wait on, their span read from a ``jax.profiler`` trace. That
+span is what the issue's "time small batches the way each engine runs them" compares with
+SGLang's graph replay.
+
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD/.sgl:$PWD \
         python3 scripts/bench_kernels.py --reps 10 --sweep --scan
 
@@ -140,6 +149,69 @@ def decode_program(op, steps: int):
     return jax.jit(run, donate_argnums=0)
 
 
+def busy_program(op, steps: int):
+    """``decode_program`` behind a lead-in on which step 0 depends: one bf16 matmul (one
+    kernel, ~5 ms on the H200). While the GPU runs it the host enqueues every step, as in the
+    engine's decode step, where the GPU is busy for 95 % of a batch-1 step; the steps' span on
+    the device is then what they cost inside a whole decode program, without the host's
+    per-launch time (``in_program_time``)."""
+    step = jax.jit(op)
+
+    def run(pool, inputs, lead_a, lead_b):
+        lead = lead_a @ lead_b
+        gate = (lead[0, 0] > jnp.inf).astype(jnp.int32)  # always 0, not foldable
+        ys = []
+        for i, step_inputs in enumerate(inputs):
+            if i == 0:  # every op's step takes the slots last
+                step_inputs = (*step_inputs[:-1], step_inputs[-1] + gate)
+            y, pool = step(pool, *step_inputs)
+            ys.append(y)
+        return pool, ys, lead[0, 0]
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def steps_after_lead_in(events, steps: int) -> tuple[float, float, float]:
+    """From a trace's device kernel events (``ts``/``dur`` in µs), the events after the
+    longest one (the lead-in): (span µs, summed kernel µs, kernels) per step.
+
+    A lead-in split over several kernels would leave some of it after the longest one and
+    inflate the steps (the first version, a chain of three matmuls, did so at batch 32):
+    an event after it of at least half its length is taken for a piece of it, an error."""
+    lead = max(events, key=lambda e: e["dur"])
+    lead_end = lead["ts"] + lead["dur"]
+    after = [e for e in events if e["ts"] >= lead_end]
+    if not after:
+        raise ValueError("no kernels after the lead-in")
+    if any(e["dur"] >= lead["dur"] / 2 for e in after):
+        raise ValueError("the lead-in ran as several kernels: the steps' span would hold some")
+    span = max(e["ts"] + e["dur"] for e in after) - lead_end
+    busy = sum(e["dur"] for e in after)
+    return span / steps, busy / steps, len(after) / steps
+
+
+def in_program_time(op, pools, inputs, steps: int) -> tuple[float, float, float]:
+    """Our steps' device span, kernel time (seconds per step) and kernels per step inside a
+    busy program, from a ``jax.profiler`` trace of one call after a warm-up."""
+    import tempfile
+
+    from jaxmamba.bench import device_kernel_events
+
+    fn = busy_program(op, steps)
+    lead_a = jax.random.normal(jax.random.key(1), (8192, 8192), ACT)
+    lead_b = jax.random.normal(jax.random.key(2), (8192, 32768), ACT)  # 4.4 TFLOP
+    pool = pools.fresh()
+    pool, ys, _ = fn(pool, inputs, lead_a, lead_b)
+    jax.block_until_ready(ys)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            pool, ys, _ = fn(pool, inputs, lead_a, lead_b)
+            jax.block_until_ready(ys)
+        events = device_kernel_events(trace_dir)
+    span, busy, kernels = steps_after_lead_in(events, steps)
+    return span * 1e-6, busy * 1e-6, kernels
+
+
 def scan_program(op):
     """The earlier timing: ``lax.scan`` over stacked inputs (a slice and a stacked-output
     update per step around the kernel), kept to show what that costs."""
@@ -208,15 +280,40 @@ def to_torch(a, dtype=None):
 ROWS = []
 
 
-def report(case, ours, xla, sgl, nbytes):
+def report(case, ours, xla, sgl, nbytes, in_program=None):
+    """``in_program``: {label: op} of decode steps to time inside a busy program at the end
+    of the run (``measure_in_program``), "ours" first."""
     roof = nbytes / HBM
-    ROWS.append((case, ours, xla, sgl, roof))
+    ROWS.append(dict(case=case, ours=ours, xla=xla, sgl=sgl, roof=roof, in_program=in_program))
     sgl_s = f"{sgl * 1e6:9.1f}" if sgl else "      n/a"
     ratio = f"{sgl / ours:5.2f}x" if sgl else "  n/a"
     print(
         f"  {case:28s} ours {ours * 1e6:9.1f} us | xla {xla * 1e6:9.1f} | sglang {sgl_s} | "
         f"sglang/ours {ratio} | roofline {roof * 1e6:7.1f} us = {roof / ours:6.1%} of ours"
     )
+
+
+def measure_in_program(row):
+    """Time a decode case's steps inside a busy program (``in_program_time``), ours and each
+    variant; sets ``row["in_program"]`` to ours (seconds a step). Runs after every SGLang
+    timing: once the profiler has run, torch's CUDA-graph capture fails in this process."""
+    ops, pools, inputs, steps = row["in_program"]
+    row["in_program"] = None
+    roof, sgl = row["roof"], row["sgl"]
+    for label, op in ops.items():
+        try:
+            span, kernel, per_step = in_program_time(op, pools, inputs, steps)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"  {row['case']} {label} in a busy program: FAILED {type(e).__name__}: {e}")
+            continue
+        ratio = f"sglang/ours {sgl / span:5.2f}x | " if sgl else ""
+        print(
+            f"  {row['case']:20s} {label:32s} in a busy program: span {span * 1e6:8.1f} us a "
+            f"step, kernels {kernel * 1e6:8.1f} us ({per_step:.2f} a step) | {ratio}"
+            f"{roof / span:6.1%} of roofline"
+        )
+        if label == "ours":
+            row["in_program"] = span
 
 
 # --------------------------------------------------------------------------- state update
@@ -227,7 +324,8 @@ def time_decode_kernels(
 ):
     """Check and time our decode program and the reference (``steps`` launches a program,
     several programs back to back up to ``max_calls`` steps), then the sweep's variants, each
-    checked before it is timed; returns (ours, ref) seconds per step."""
+    checked before it is timed; returns (ours, ref) seconds per step and what
+    ``measure_in_program`` needs."""
     checked("ours", ours_fn)
     graphed = uses_command_buffer(ours_fn, pools.fresh(), inputs) if not SMOKE else False
     calls = max(1, max_calls // steps)
@@ -237,6 +335,7 @@ def time_decode_kernels(
 
     ours, xla = timed("ours", ours_fn), timed("ref", ref_fn)
     print(f"    ours: XLA command buffer (CUDA graph) = {graphed}")
+    in_program_ops = {"ours": step_op(IMPL)}
     if scan:
         stacked = tuple(jnp.stack(v) for v in zip(*inputs, strict=True))
         t = median_time(pools.caller("scan", scan_program(step_op(IMPL)), stacked), reps) / steps
@@ -252,8 +351,11 @@ def time_decode_kernels(
             print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
             continue
         print(f"    variant {name}: {t * 1e6:.1f} us = {nbytes / HBM / t:.1%} of roofline")
+        in_program_ops[f"variant {name}"] = step_op(kernel=kernel)
     pools.live.clear()
-    return ours, xla
+    # The profiler sees no device kernels on CPU.
+    in_program = None if SMOKE else (in_program_ops, pools, inputs, steps)
+    return ours, xla, in_program
 
 
 def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None, scan=False):
@@ -294,7 +396,7 @@ def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None, sca
         check(f"ssu bs{rows} {name} state", pool, ref_pool, 1e-4)
 
     nbytes = 2 * rows * H * P * N * 4 + rows * (2 * H * P + H + 2 * G * N) * 2
-    ours, xla = time_decode_kernels(
+    ours, xla, in_program = time_decode_kernels(
         checked, ours_fn, ref_fn, step_op, pools, inputs, variants, steps, reps, 16, nbytes, scan
     )
 
@@ -322,7 +424,7 @@ def bench_state_update(rows: int, steps: int, reps: int, rng, variants=None, sca
         sgl = torch_time(replay, reps) / steps
         del tstate
 
-    report(f"state update bs {rows}", ours, xla, sgl, nbytes)
+    report(f"state update bs {rows}", ours, xla, sgl, nbytes, in_program)
 
 
 # --------------------------------------------------------------------------- conv
@@ -432,7 +534,7 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None, scan
         check(f"conv update bs{rows} {name} state", out_pool, want, 1e-6)
 
     nbytes = rows * (2 * (K - 1) * DIM * 2 + 2 * DIM * 2) + (K + 1) * DIM * 2
-    ours, xla = time_decode_kernels(
+    ours, xla, in_program = time_decode_kernels(
         checked, ours_fn, ref_fn, step_op, pools, inputs, variants, steps, reps, 64, nbytes, scan
     )
 
@@ -457,7 +559,7 @@ def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None, scan
         replay = graph_of(lambda: [sgl_step(i) for i in range(steps)])
         sgl = torch_time(replay, reps) / steps
 
-    report(f"conv update bs {rows}", ours, xla, sgl, nbytes)
+    report(f"conv update bs {rows}", ours, xla, sgl, nbytes, in_program)
 
 
 def ssu_variants(smoke: bool):
@@ -473,6 +575,14 @@ def ssu_variants(smoke: bool):
         )
         for bp, t, w in sizes
     }
+    for bp, t, w in ((16, 1, 4), (8, 1, 4)):  # the state streamed past L2
+        variants[f"triton bp{bp} t{t} w{w} evict-first"] = functools.partial(
+            state_update_pallas.selective_state_update_gpu,
+            interpret=smoke,
+            block_sizes=state_update_pallas.GpuBlockSizes(
+                head_dim=bp, tiles=t, num_warps=w, state_eviction="evict_first"
+            ),
+        )
     if not smoke:  # Mosaic GPU has no CPU path
         mosaic = state_update_mosaic_gpu.selective_state_update_mosaic_gpu
         variants["mosaic"] = mosaic
@@ -556,6 +666,9 @@ def main():
         "--cases", default="ssu,conv_prefill,conv_update", help="comma-separated subset"
     )
     parser.add_argument("--smoke", action="store_true", help="toy shapes, interpret mode")
+    parser.add_argument(
+        "--ssu-rows", default="1,8,32,256", help="state update batch sizes (comma-separated)"
+    )
     parser.add_argument("--sweep", action="store_true", help="also time GPU block-size variants")
     parser.add_argument(
         "--scan", action="store_true", help="also time ours the earlier way (lax.scan)"
@@ -569,7 +682,10 @@ def main():
     rng = np.random.default_rng(0)
     cases = args.cases.split(",")
     if "ssu" in cases:
-        for rows, steps in ((1, 256), (8, 32), (32, 8), (256, 8))[: 1 if args.smoke else 4]:
+        steps_for = {1: 256, 8: 32, 32: 8, 256: 8}  # 0.6-5 ms of state traffic a program
+        ssu_rows = [int(r) for r in args.ssu_rows.split(",")]
+        for rows in ssu_rows[:1] if args.smoke else ssu_rows:
+            steps = steps_for.get(rows, max(1, 2048 // rows))
             variants = ssu_variants(args.smoke) if args.sweep else None
             steps = 2 if args.smoke else steps
             bench_state_update(rows, steps, args.reps, rng, variants, args.scan)
@@ -584,14 +700,31 @@ def main():
             variants = conv_update_variants(args.smoke) if args.sweep else None
             steps = 2 if args.smoke else steps
             bench_conv_update(rows, steps, args.reps, rng, variants, args.scan)
-    print("\n| case | ours (us) | XLA ref (us) | SGLang (us) | SGLang/ours | roofline (us) | % |")
-    print("|---|---|---|---|---|---|---|")
-    for case, ours, xla, sgl, roof in ROWS:
-        sgl_s, ratio = (f"{sgl * 1e6:.1f}", f"{sgl / ours:.2f}") if sgl else ("n/a", "n/a")
-        print(
-            f"| {case} | {ours * 1e6:.1f} | {xla * 1e6:.1f} | {sgl_s} | {ratio} | "
-            f"{roof * 1e6:.1f} | {roof / ours:.0%} |"
-        )
+    pending = [row for row in ROWS if row["in_program"]]
+    if pending:
+        print("\nDecode steps inside a busy program (the way the engine's decode step runs them):")
+    for row in pending:
+        measure_in_program(row)
+    print(
+        "\n| case | ours (us) | ours in a busy program (us) | XLA ref (us) | SGLang (us) | "
+        "SGLang/ours | SGLang/ours in program | roofline (us) | % (best of ours) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in ROWS:
+        ours, sgl, in_program = row["ours"], row["sgl"], row["in_program"]
+        best = min(ours, in_program or ours)
+        cells = [
+            row["case"],
+            f"{ours * 1e6:.1f}",
+            f"{in_program * 1e6:.1f}" if in_program else "-",
+            f"{row['xla'] * 1e6:.1f}",
+            f"{sgl * 1e6:.1f}" if sgl else "n/a",
+            f"{sgl / ours:.2f}" if sgl else "n/a",
+            f"{sgl / in_program:.2f}" if sgl and in_program else "-",
+            f"{row['roof'] * 1e6:.1f}",
+            f"{row['roof'] / best:.0%}",
+        ]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

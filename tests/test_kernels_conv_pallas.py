@@ -29,10 +29,11 @@ SMALL = ConvVarlenBlockSizes(tpu_tokens=16, tpu_channels=128, gpu_tokens=8, gpu_
 # taken by the tiles inside a long sequence (e.g. tokens 32..39 of the first case), the
 # general path by the others; tokens past T (5 padding + a ragged last tile) in every case.
 GPU_VARIANTS = {
-    "gpu": SMALL,
-    "gpu_rows_fast": dataclasses.replace(SMALL, gpu_variant="rows_fast", gpu_exp2_silu=True),
-    "gpu_tile": dataclasses.replace(SMALL, gpu_variant="tile", gpu_exp2_silu=True),
-    "gpu_tile_no_preload": dataclasses.replace(SMALL, gpu_variant="tile", gpu_preload=False),
+    "gpu": SMALL,  # the default variant ("tile", 4 tiles a program)
+    "gpu_rows": dataclasses.replace(SMALL, gpu_variant="rows", gpu_tiles=1, gpu_exp2_silu=False),
+    "gpu_rows_fast": dataclasses.replace(SMALL, gpu_variant="rows_fast", gpu_tiles=1),
+    "gpu_tile_one": dataclasses.replace(SMALL, gpu_tiles=1, gpu_exp2_silu=False),
+    "gpu_tile_no_preload": dataclasses.replace(SMALL, gpu_tiles=1, gpu_preload=False),
     # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
     # the fast one); the last program's last tile lies past T.
     "gpu_tile_loop": dataclasses.replace(SMALL, gpu_variant="tile", gpu_tokens=2, gpu_tiles=4),
