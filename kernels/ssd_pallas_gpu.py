@@ -65,7 +65,9 @@ class BlockSizes:
     out_warps: int = 4
     out_stages: int = 2
     # Heads of one group per output-pass program: they share the C and B loads and C·Bᵀ.
-    out_heads: int = 1
+    # 2: the sweep's fastest on the H200 (1x8192: 0.770 ms against 0.799 ms with 1, 1.056
+    # and 1.597 ms with 2 and 4 at 8 warps; docs/benchmarks.md, 2026-11-29).
+    out_heads: int = 2
     # C·Bᵀ per (group, chunk) from a pre-pass, stored in the dot dtype and read by every head
     # of the group, instead of computed by each (head, row block) program.
     out_gram: bool = False
