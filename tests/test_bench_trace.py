@@ -1,0 +1,48 @@
+"""The profiler-trace readers of ``jaxmamba.bench`` on a synthetic trace: only the kernels on
+the device's stream threads count, and busy/span per step follow from their times."""
+
+import gzip
+import json
+
+from jaxmamba.bench import device_kernel_events, summarize_trace
+
+
+def write_trace(folder, events):
+    run = folder / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def meta(kind, pid, name, tid=None):
+    event = {"ph": "M", "name": kind, "pid": pid, "args": {"name": name}}
+    return event if tid is None else {**event, "tid": tid}
+
+
+def test_device_kernels_and_summary(tmp_path):
+    events = [
+        meta("process_name", 1, "/host:CPU"),
+        meta("thread_name", 1, "Stream #9", tid=1),  # a host thread with a stream-like name
+        meta("process_name", 2, "/device:GPU:0"),
+        meta("thread_name", 2, "Stream #13(Compute)", tid=7),
+        meta("thread_name", 2, "XLA Ops", tid=8),  # mirrors of the kernels, not kernels
+        {"ph": "X", "pid": 1, "tid": 1, "name": "dispatch", "ts": 0, "dur": 50},
+        {"ph": "X", "pid": 2, "tid": 8, "name": "fusion", "ts": 10, "dur": 3},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "gemm", "ts": 10, "dur": 3},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "ssu", "ts": 20, "dur": 4.5},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "ssu", "ts": 30, "dur": 4.5},
+        {"ph": "i", "pid": 2, "tid": 7, "name": "marker", "ts": 40},
+    ]
+    write_trace(tmp_path, events)
+
+    kernels = device_kernel_events(str(tmp_path))
+    assert [(k["name"], k["ts"], k["dur"]) for k in kernels] == [
+        ("gemm", 10.0, 3.0),
+        ("ssu", 20.0, 4.5),
+        ("ssu", 30.0, 4.5),
+    ]
+    summary = summarize_trace(str(tmp_path), steps=2)
+    assert summary["kernels_per_step"] == 1.5
+    assert summary["busy_us_per_step"] == 6.0  # (3 + 4.5 + 4.5) / 2
+    assert summary["span_us_per_step"] == 12.25  # (34.5 - 10) / 2
+    assert summary["top"][0]["name"] == "ssu" and summary["top"][0]["calls_per_step"] == 1.0
