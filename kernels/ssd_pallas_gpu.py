@@ -61,6 +61,11 @@ class BlockSizes:
     # Heads of one group per state-pass program: they share the chunk's B tile, loaded once
     # per step, so B's traffic and the step count fall by this factor.
     state_heads: int = 1
+    # Load the next chunk's decay and tracking flag (and position weights) one step ahead,
+    # carried in the loop. Offline (Triton 3.6, sm_90a) the pipeliner prefetches x, B and the
+    # weights but loads the decay and the flag in the step that uses them: two load latencies
+    # a step on the serial chain.
+    state_prefetch: bool = False
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
@@ -158,6 +163,7 @@ def _state_kernel(
     block_p: int,
     block_n: int,
     has_init: bool,
+    prefetch: bool,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
@@ -175,7 +181,15 @@ def _state_kernel(
     state_mask = p_ok[:, None] & n_ok[None, :]
     p_slice, n_slice = pl.ds(pb * block_p, block_p), pl.ds(nb * block_n, block_n)
 
-    def step(j, states):
+    def chunk_factors(chunk):
+        """Each head's position weights and end-of-chunk decay for one chunk, and whether its
+        end state is tracked."""
+        weights = tuple(weight_ref[chunk, h, :] for h in head_ids)
+        decays = tuple(jnp.exp(cum_ref[chunk, h, chunk_size - 1]) for h in head_ids)
+        return weights, decays, track_ref[chunk]
+
+    def step(j, carry):
+        states, factors = carry if prefetch else (carry, None)
         # Chunk j's tokens from per-sequence scalars alone, so every address of the step is
         # known without a load: only the first chunk can be partial at its start.
         chunk = first + j
@@ -186,8 +200,11 @@ def _state_kernel(
         # Every load of the step first; B's tile once for all the program's heads.
         b = plgpu.load(b_ref.at[rows, g, n_slice], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
         xs = [plgpu.load(x_ref.at[rows, h, p_slice], mask=x_mask, other=0.0) for h in head_ids]
-        weights = [weight_ref[chunk, h, :] for h in head_ids]
-        decays = [jnp.exp(cum_ref[chunk, h, chunk_size - 1]) for h in head_ids]
+        if prefetch:  # this chunk's factors came with the carry; load the next one's
+            weights, decays, tracked = factors
+            factors = chunk_factors(first + jnp.minimum(j + 1, seq_chunks - 1))
+        else:
+            weights, decays, tracked = chunk_factors(chunk)
         b = b.astype(x_ref.dtype)
 
         new_states = []
@@ -197,7 +214,7 @@ def _state_kernel(
             xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)  # [C, block_p]
             new_states.append(decay * state + _dot(xw, b, (0, 0)))
 
-        @pl.when(track_ref[chunk] != 0)
+        @pl.when(tracked != 0)
         def _():
             slot = slot_ref[chunk]
             for h, state in zip(head_ids, new_states, strict=True):
@@ -207,7 +224,7 @@ def _state_kernel(
                     mask=state_mask,
                 )
 
-        return tuple(new_states)
+        return (tuple(new_states), factors) if prefetch else tuple(new_states)
 
     def initial_state(h):
         if init_ref is None:
@@ -215,7 +232,11 @@ def _state_kernel(
         state = plgpu.load(init_ref.at[s, h, p_slice, n_slice], mask=state_mask, other=0.0)
         return state.astype(jnp.float32)
 
-    states = lax.fori_loop(0, seq_chunks, step, tuple(initial_state(h) for h in head_ids))
+    states = tuple(initial_state(h) for h in head_ids)
+    if prefetch:  # ``first`` is a real chunk even for an empty sequence (build_chunk_layout)
+        states, _ = lax.fori_loop(0, seq_chunks, step, (states, chunk_factors(first)))
+    else:
+        states = lax.fori_loop(0, seq_chunks, step, states)
     for h, state in zip(head_ids, states, strict=True):
         plgpu.store(
             final_ref.at[s, h, p_slice, n_slice], state.astype(final_ref.dtype), mask=state_mask
@@ -523,6 +544,7 @@ def ssd_varlen_gpu(
             block_p=block_p,
             block_n=state_block_n,
             has_init=initial_states is not None,
+            prefetch=bs.state_prefetch,
         ),
         grid=(
             num_heads // state_heads,

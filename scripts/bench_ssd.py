@@ -216,6 +216,10 @@ def sweep():
         dict(state_heads=8, state_block_n=64, state_warps=8),
         dict(state_heads=16, state_block_n=32, state_warps=8),
         dict(state_heads=4, state_block_p=32, state_block_n=32, state_warps=8),
+        # The next chunk's decay, tracking flag and weights loaded one step ahead.
+        dict(state_prefetch=True),
+        dict(state_prefetch=True, state_stages=2),
+        dict(state_prefetch=True, state_heads=2),
     ]
     out_variants = [
         dict(),

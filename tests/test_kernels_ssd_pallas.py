@@ -26,19 +26,28 @@ KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim and state slices in the state pass (the last state slice partly
-    # masked when N is 12), several row blocks per chunk in the output pass (the causal walk).
+    # masked when N is 12), several row blocks per chunk in the output pass (the causal walk);
+    # the state pass loading each chunk's factors one step ahead.
     "gpu_blocks": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
-        block_sizes=BlockSizes(state_block_p=4, state_block_n=8, out_block_m=4),
+        block_sizes=BlockSizes(
+            state_block_p=4, state_block_n=8, out_block_m=4, state_prefetch=True
+        ),
     ),
     # Heads of a group sharing one program: B's tile in the state pass, C, B and C·Bᵀ in the
-    # output pass (4 asked; each case gets the largest power of two dividing its group: 1-4).
+    # output pass (4 asked; each case gets the largest power of two dividing its group: 1-4),
+    # the factors of every head prefetched.
     "gpu_heads": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
         block_sizes=BlockSizes(
-            state_block_p=4, state_block_n=8, state_heads=4, out_block_m=4, out_heads=4
+            state_block_p=4,
+            state_block_n=8,
+            state_heads=4,
+            state_prefetch=True,
+            out_block_m=4,
+            out_heads=4,
         ),
     ),
     # C·Bᵀ from the pre-pass, read by two heads per output program, several row blocks.
@@ -161,7 +170,7 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
 
 # The shared-group GPU variants, lowered to Triton on CPU: 4 heads per group here, so 4 heads
 # per state-pass program, 2 per output-pass program, plus the C·Bᵀ pre-pass (a 4th kernel).
-SHARED = BlockSizes(state_heads=8, out_heads=2, out_gram=True)
+SHARED = BlockSizes(state_heads=8, state_prefetch=True, out_heads=2, out_gram=True)
 
 
 @pytest.mark.parametrize(
