@@ -220,6 +220,11 @@ def sweep():
         dict(state_prefetch=True),
         dict(state_prefetch=True, state_stages=2),
         dict(state_prefetch=True, state_heads=2),
+        # 8 warps: 100 registers a thread instead of 222 (offline, scripts/triton_regs.py),
+        # twice the warps an SM at the same 2 programs an SM.
+        dict(state_warps=8),
+        dict(state_warps=8, state_stages=2),
+        dict(state_warps=8, state_prefetch=True),
     ]
     out_variants = [
         dict(),
@@ -237,6 +242,8 @@ def sweep():
         dict(out_heads=4, out_warps=8),
         dict(out_heads=2, out_block_m=32),
         dict(out_heads=2, out_gram=True),
+        # 1 head, 8 warps: 202 registers and no spill (offline); 2 heads at 4 warps spill 496 B.
+        dict(out_heads=1, out_warps=8),
     ]
 
     def measure(changes, states_only):
