@@ -17,12 +17,16 @@ Every public op takes ``impl``:
   the op has one for it, else the reference. A whole model mixes ops with and without
   kernels, so this is what exporting a model step for another platform uses.
 
-Pallas GPU lowering, per op: every CUDA kernel here is Triton-lowered. The decode state
-update also has a Mosaic GPU kernel (``state_update_mosaic_gpu``): written to compare the two
-lowerings on a bandwidth-bound op, not picked by ``"auto"`` until it is measured to beat the
-Triton kernel on the H200 (its 64-row register layout costs an XLA pre-pass at P = 80; see
-that module). The conv and SSD kernels are gathers / sequential scans with per-program scalar
-indexing and arbitrary power-of-two tiles, which the Triton lowering expresses directly.
+Pallas GPU lowering, per op: every CUDA kernel here is Triton-lowered.
+
+* State update: both lowerings exist. Mosaic GPU (``state_update_mosaic_gpu``) was measured
+  8-28 % slower than the Triton kernel on the H200 at batch 1/8/32 (2026-11-29; its 64-row
+  register layout costs an XLA pre-pass at P = 80), so ``"auto"`` takes the Triton kernel.
+* Conv (prefill and update), SSD scan, paged attention: Triton only. They are gathers by slot,
+  sequential scans and page walks with per-program scalar indexing, masked windows at
+  arbitrary token offsets and power-of-two tiles of any shape, which the Triton lowering
+  expresses directly; Mosaic GPU's TMA/WGMMA path wants tile-aligned windows (a regrouping
+  copy of x for the SSD, see ``scripts/bench_ssd.py``). Mosaic GPU was not measured for them.
 """
 
 from __future__ import annotations
