@@ -222,6 +222,25 @@ def device_kernel_events(trace_dir: str, events: list[dict] | None = None) -> li
     ]
 
 
+def steps_after_lead_in(events, steps: int) -> tuple[float, float, float]:
+    """From a trace's device kernel events (``ts``/``dur`` in µs), the events after the
+    longest one (the lead-in): (span µs, summed kernel µs, kernels) per step.
+
+    A lead-in split over several kernels would leave some of it after the longest one and
+    inflate the steps (``scripts/bench_kernels.py``'s first lead-in, three matmuls, did so):
+    an event after it of at least half its length is taken for a piece of it, an error."""
+    lead = max(events, key=lambda e: e["dur"])
+    lead_end = lead["ts"] + lead["dur"]
+    after = [e for e in events if e["ts"] >= lead_end]
+    if not after:
+        raise ValueError("no kernels after the lead-in")
+    if any(e["dur"] >= lead["dur"] / 2 for e in after):
+        raise ValueError("the lead-in ran as several kernels: the steps' span would hold some")
+    span = max(e["ts"] + e["dur"] for e in after) - lead_end
+    busy = sum(e["dur"] for e in after)
+    return span / steps, busy / steps, len(after) / steps
+
+
 def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
     """Kernel time on the accelerator's streams of a ``jax.profiler`` trace, per step
     (``device_kernel_events``). ``busy`` is the summed kernel time, ``span`` the first start

@@ -171,31 +171,12 @@ def busy_program(op, steps: int):
     return jax.jit(run, donate_argnums=0)
 
 
-def steps_after_lead_in(events, steps: int) -> tuple[float, float, float]:
-    """From a trace's device kernel events (``ts``/``dur`` in µs), the events after the
-    longest one (the lead-in): (span µs, summed kernel µs, kernels) per step.
-
-    A lead-in split over several kernels would leave some of it after the longest one and
-    inflate the steps (the first version, a chain of three matmuls, did so at batch 32):
-    an event after it of at least half its length is taken for a piece of it, an error."""
-    lead = max(events, key=lambda e: e["dur"])
-    lead_end = lead["ts"] + lead["dur"]
-    after = [e for e in events if e["ts"] >= lead_end]
-    if not after:
-        raise ValueError("no kernels after the lead-in")
-    if any(e["dur"] >= lead["dur"] / 2 for e in after):
-        raise ValueError("the lead-in ran as several kernels: the steps' span would hold some")
-    span = max(e["ts"] + e["dur"] for e in after) - lead_end
-    busy = sum(e["dur"] for e in after)
-    return span / steps, busy / steps, len(after) / steps
-
-
 def in_program_time(op, pools, inputs, steps: int) -> tuple[float, float, float]:
     """Our steps' device span, kernel time (seconds per step) and kernels per step inside a
     busy program, from a ``jax.profiler`` trace of one call after a warm-up."""
     import tempfile
 
-    from jaxmamba.bench import device_kernel_events
+    from jaxmamba.bench import device_kernel_events, steps_after_lead_in
 
     fn = busy_program(op, steps)
     lead_a = jax.random.normal(jax.random.key(1), (8192, 8192), ACT)

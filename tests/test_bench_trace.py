@@ -1,10 +1,12 @@
-"""The profiler-trace readers of ``jaxmamba.bench`` on a synthetic trace: only the kernels on
+"""The profiler-trace readers of ``jaxmamba.bench`` on synthetic traces: only the kernels on
 the device's stream threads count, and busy/span per step follow from their times."""
 
 import gzip
 import json
 
-from jaxmamba.bench import device_kernel_events, summarize_trace
+import pytest
+
+from jaxmamba.bench import device_kernel_events, steps_after_lead_in, summarize_trace
 
 
 def write_trace(folder, events):
@@ -46,3 +48,15 @@ def test_device_kernels_and_summary(tmp_path):
     assert summary["busy_us_per_step"] == 6.0  # (3 + 4.5 + 4.5) / 2
     assert summary["span_us_per_step"] == 12.25  # (34.5 - 10) / 2
     assert summary["top"][0]["name"] == "ssu" and summary["top"][0]["calls_per_step"] == 1.0
+
+
+def test_steps_after_lead_in():
+    lead = {"ts": 0.0, "dur": 5000.0}
+    during = {"ts": 10.0, "dur": 3.0}  # enqueued beside the lead-in: not a step
+    steps = [{"ts": 5000.0, "dur": 4.0}, {"ts": 5005.0, "dur": 4.0}]
+    assert steps_after_lead_in([lead, during, *steps], steps=2) == (4.5, 4.0, 1.0)
+    # A second lead-in kernel after the longest one would sit inside the steps' span.
+    with pytest.raises(ValueError, match="several kernels"):
+        steps_after_lead_in([lead, *steps, {"ts": 6000.0, "dur": 4000.0}], steps=2)
+    with pytest.raises(ValueError, match="no kernels after"):
+        steps_after_lead_in([during, lead], steps=2)
