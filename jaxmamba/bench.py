@@ -200,11 +200,10 @@ def load_trace_events(trace_dir: str) -> list[dict]:
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
-def device_kernel_events(trace_dir: str, events: list[dict] | None = None) -> list[dict]:
+def device_kernel_events(events: list[dict]) -> list[dict]:
     """The complete events on threads named ``Stream ...`` of ``/device:...`` processes of a
-    ``jax.profiler`` trace: the kernels and copies as the GPU ran them, not the XLA-op rows
-    that mirror them. ``ts`` and ``dur`` are in µs."""
-    events = load_trace_events(trace_dir) if events is None else events
+    ``jax.profiler`` trace (``load_trace_events``): the kernels and copies as the GPU ran
+    them, not the XLA-op rows that mirror them. ``ts`` and ``dur`` are in µs."""
     device_pids = {
         e["pid"] for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -248,7 +247,7 @@ def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
     (launch or host bound).
     """
     events = load_trace_events(trace_dir)
-    kernels = device_kernel_events(trace_dir, events)
+    kernels = device_kernel_events(events)
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e["name"], []).append(e["dur"])

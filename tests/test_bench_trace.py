@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from jaxmamba.bench import device_kernel_events, steps_after_lead_in, summarize_trace
+from jaxmamba.bench import (
+    device_kernel_events,
+    load_trace_events,
+    steps_after_lead_in,
+    summarize_trace,
+)
 
 
 def write_trace(folder, events):
@@ -37,7 +42,7 @@ def test_device_kernels_and_summary(tmp_path):
     ]
     write_trace(tmp_path, events)
 
-    kernels = device_kernel_events(str(tmp_path))
+    kernels = device_kernel_events(load_trace_events(str(tmp_path)))
     assert [(k["name"], k["ts"], k["dur"]) for k in kernels] == [
         ("gemm", 10.0, 3.0),
         ("ssu", 20.0, 4.5),
