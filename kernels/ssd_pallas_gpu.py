@@ -66,6 +66,11 @@ class BlockSizes:
     # weights but loads the decay and the flag in the step that uses them: two load latencies
     # a step on the serial chain.
     state_prefetch: bool = False
+    # Carry each state as [N, P] and compute Bᵀ·(x∘w): the state dim becomes the matmul's M,
+    # so B's tile is a shared-memory operand (a warpgroup MMA can read it there) instead of
+    # a register-held one (222 registers a thread offline with P block 16), and the entering
+    # states are stored [NC, H, N, P], the layout the output pass's C·state wants.
+    state_n_major: bool = False
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
@@ -76,6 +81,10 @@ class BlockSizes:
     # C·Bᵀ per (group, chunk) from a pre-pass, stored in the dot dtype and read by every head
     # of the group, instead of computed by each (head, row block) program.
     out_gram: bool = False
+    # The diagonal block as the last step of the loop over source blocks (masked by position)
+    # rather than before it: all of B's and x's loads become the loop's pipelined copies, and
+    # the prologue holds only C_i, the entering states and x_i for the skip term.
+    out_loop_diag: bool = False
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -162,6 +171,8 @@ def _state_kernel(
     heads: int,
     block_p: int,
     block_n: int,
+    p_pieces: tuple[tuple[int, int], ...],
+    n_major: bool,
     has_init: bool,
     prefetch: bool,
 ):
@@ -176,10 +187,23 @@ def _state_kernel(
     first_count = count_ref[first]
 
     pos = jnp.arange(chunk_size)
-    p_ok = pb * block_p + jnp.arange(block_p) < head_dim
     n_ok = nb * block_n + jnp.arange(block_n) < state_size
-    state_mask = p_ok[:, None] & n_ok[None, :]
-    p_slice, n_slice = pl.ds(pb * block_p, block_p), pl.ds(nb * block_n, block_n)
+    n_slice = pl.ds(nb * block_n, block_n)
+    # The program's head-dim slice in power-of-two pieces (80 = 64 + 16 when one program holds
+    # the whole head dim), each carried as its own state tile.
+    pieces = [
+        (pl.ds(pb * block_p + off, size), pb * block_p + off + jnp.arange(size) < head_dim)
+        for off, size in p_pieces
+    ]
+
+    def pn_mask(p_ok):  # [P piece, N slice], the layout of the states in and out
+        return p_ok[:, None] & n_ok[None, :]
+
+    def tile_mask(p_ok):  # the carried tile: [N slice, P piece] if n_major, else [P, N]
+        return n_ok[:, None] & p_ok[None, :] if n_major else pn_mask(p_ok)
+
+    def as_pn(tile):
+        return tile.T if n_major else tile
 
     def chunk_factors(chunk):
         """Each head's position weights and end-of-chunk decay for one chunk, and whether its
@@ -196,10 +220,17 @@ def _state_kernel(
         offset = jnp.where(j == 0, 0, first_count + (j - 1) * chunk_size)
         rows = pl.ds(start + offset, chunk_size)
         t_ok = pos < length - offset
-        x_mask = t_ok[:, None] & p_ok[None, :]
         # Every load of the step first; B's tile once for all the program's heads.
         b = plgpu.load(b_ref.at[rows, g, n_slice], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        xs = [plgpu.load(x_ref.at[rows, h, p_slice], mask=x_mask, other=0.0) for h in head_ids]
+        xs = [
+            [
+                plgpu.load(
+                    x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0
+                )
+                for p_slice, p_ok in pieces
+            ]
+            for h in head_ids
+        ]
         if prefetch:  # this chunk's factors came with the carry; load the next one's
             weights, decays, tracked = factors
             factors = chunk_factors(first + jnp.minimum(j + 1, seq_chunks - 1))
@@ -208,39 +239,53 @@ def _state_kernel(
         b = b.astype(x_ref.dtype)
 
         new_states = []
-        for h, x, weight, decay, state in zip(head_ids, xs, weights, decays, states, strict=True):
-            entering = entering_ref.at[chunk, h, p_slice, n_slice]
-            plgpu.store(entering, state.astype(entering_ref.dtype), mask=state_mask)
-            xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)  # [C, block_p]
-            new_states.append(decay * state + _dot(xw, b, (0, 0)))
+        for k, h in enumerate(head_ids):
+            for q, (p_slice, p_ok) in enumerate(pieces):
+                state = states[k * len(pieces) + q]
+                entering = (
+                    entering_ref.at[chunk, h, n_slice, p_slice]
+                    if n_major
+                    else entering_ref.at[chunk, h, p_slice, n_slice]
+                )
+                plgpu.store(entering, state.astype(entering_ref.dtype), mask=tile_mask(p_ok))
+                xw = (xs[k][q].astype(jnp.float32) * weights[k][:, None]).astype(x_ref.dtype)
+                # n_major: Bᵀ [N, C] · xw [C, P]: N is the matmul's M, so B's tile can feed a
+                # warpgroup MMA from shared memory; otherwise xwᵀ [P, C] · B [C, N].
+                update = _dot(b, xw, (0, 0)) if n_major else _dot(xw, b, (0, 0))
+                new_states.append(decays[k] * state + update)
 
         @pl.when(tracked != 0)
         def _():
             slot = slot_ref[chunk]
-            for h, state in zip(head_ids, new_states, strict=True):
-                plgpu.store(
-                    tracked_ref.at[slot, h, p_slice, n_slice],
-                    state.astype(tracked_ref.dtype),
-                    mask=state_mask,
-                )
+            for k, h in enumerate(head_ids):
+                for q, (p_slice, p_ok) in enumerate(pieces):
+                    plgpu.store(
+                        tracked_ref.at[slot, h, p_slice, n_slice],
+                        as_pn(new_states[k * len(pieces) + q]).astype(tracked_ref.dtype),
+                        mask=pn_mask(p_ok),
+                    )
 
         return (tuple(new_states), factors) if prefetch else tuple(new_states)
 
-    def initial_state(h):
+    def initial_state(h, p_slice, p_ok):
         if init_ref is None:
-            return jnp.zeros((block_p, block_n), jnp.float32)
-        state = plgpu.load(init_ref.at[s, h, p_slice, n_slice], mask=state_mask, other=0.0)
-        return state.astype(jnp.float32)
+            size = p_ok.shape[0]
+            return jnp.zeros((block_n, size) if n_major else (size, block_n), jnp.float32)
+        state = plgpu.load(init_ref.at[s, h, p_slice, n_slice], mask=pn_mask(p_ok), other=0.0)
+        return as_pn(state.astype(jnp.float32))
 
-    states = tuple(initial_state(h) for h in head_ids)
+    states = tuple(initial_state(h, p_slice, p_ok) for h in head_ids for p_slice, p_ok in pieces)
     if prefetch:  # ``first`` is a real chunk even for an empty sequence (build_chunk_layout)
         states, _ = lax.fori_loop(0, seq_chunks, step, (states, chunk_factors(first)))
     else:
         states = lax.fori_loop(0, seq_chunks, step, states)
-    for h, state in zip(head_ids, states, strict=True):
-        plgpu.store(
-            final_ref.at[s, h, p_slice, n_slice], state.astype(final_ref.dtype), mask=state_mask
-        )
+    for k, h in enumerate(head_ids):
+        for q, (p_slice, p_ok) in enumerate(pieces):
+            plgpu.store(
+                final_ref.at[s, h, p_slice, n_slice],
+                as_pn(states[k * len(pieces) + q]).astype(final_ref.dtype),
+                mask=pn_mask(p_ok),
+            )
 
 
 def _gram_kernel(
@@ -288,7 +333,7 @@ def _output_kernel(
     c_ref,  # [T, G, N]
     dt_ref,  # f32[NC, H, C] processed dt, zero at empty positions
     cum_ref,  # f32[NC, H, C] cumsum of dt * A
-    entering_ref,  # [NC, H, P, N] state entering each chunk
+    entering_ref,  # [NC, H, P, N] state entering each chunk ([NC, H, N, P] if n_major)
     *rest,
     head_dim: int,
     state_size: int,
@@ -296,6 +341,8 @@ def _output_kernel(
     heads: int,
     block_m: int,
     block_n: int,
+    n_major: bool,
+    loop_diag: bool,
     has_gram: bool,
     has_z: bool,
 ):
@@ -360,11 +407,34 @@ def _output_kernel(
             c_ref.at[rows_i, g, n_slice], mask=i_ok[:, None] & n_ok[None, :], other=0.0
         )
         c_i = c_i.astype(dot_dtype)
-        b_i, rows_i_per_head = load_rows(mb)
-        cb_diag = gram_block(mb, b_i)
+        if loop_diag:  # the loop loads the target block's B and x again, as a source block
+            rows_i_per_head = [
+                (
+                    None,
+                    cum_ref[chunk, h, target],
+                    [
+                        plgpu.load(
+                            x_ref.at[rows_i, h, p_slice],
+                            mask=i_ok[:, None] & p_ok[None, :],
+                            other=0.0,
+                        )
+                        for p_slice, p_ok in pieces
+                    ],
+                )
+                for h in head_ids
+            ]
+        else:
+            b_i, rows_i_per_head = load_rows(mb)
+            cb_diag = gram_block(mb, b_i)
         states_in = [
             [
                 plgpu.load(
+                    entering_ref.at[chunk, h, n_slice, p_slice],
+                    mask=n_ok[:, None] & p_ok[None, :],
+                    other=0.0,
+                )
+                if n_major
+                else plgpu.load(
                     entering_ref.at[chunk, h, p_slice, n_slice],
                     mask=p_ok[:, None] & n_ok[None, :],
                     other=0.0,
@@ -373,53 +443,52 @@ def _output_kernel(
             ]
             for h in head_ids
         ]
-        z_i = [
-            [
-                plgpu.load(
-                    z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
-                )
-                for p_slice, p_ok in pieces
-            ]
-            for h in head_ids
-            if z_ref is not None
-        ]
         cum_i = [cum for _, cum, _ in rows_i_per_head]
 
-        def source_terms(cb, per_head, causal):
-            """Σ_j (C_i·B_j) exp(cum_i - cum_j) dt_j x_j over one source block: per head, per
+        def source_terms(cb, per_head, kb, causal):
+            """Σ_j (C_i·B_j) exp(cum_i - cum_j) dt_j x_j over source block kb: per head, per
             piece, flattened; C_i·B_j (``cb``) is shared by the heads."""
             terms = []
             for cum_i_h, (dt_j, cum_j, x_j) in zip(cum_i, per_head, strict=True):
                 seg = cum_i_h[:, None] - cum_j[None, :]
-                if causal:  # the diagonal block: mask above it before exp (exponents > 0 there)
-                    rel = jnp.arange(block_m)
-                    seg = jnp.where(rel[:, None] >= rel[None, :], seg, -jnp.inf)
+                if causal:  # mask j > i before exp (exponents > 0 there)
+                    i_pos = mb * block_m + jnp.arange(block_m)
+                    j_pos = kb * block_m + jnp.arange(block_m)
+                    seg = jnp.where(i_pos[:, None] >= j_pos[None, :], seg, -jnp.inf)
                 m = (cb * jnp.exp(seg) * dt_j[None, :]).astype(dot_dtype)
                 terms.extend(_dot(m, x, (1, 0)) for x in x_j)
             return terms
 
         # Inter-chunk term exp(cum_i) C_i · state_in, then the diagonal block.
         inter = [
-            _dot(c_i, s_in, (1, 1)) * jnp.exp(cum_i_h)[:, None]
+            _dot(c_i, s_in, (1, 0) if n_major else (1, 1)) * jnp.exp(cum_i_h)[:, None]
             for cum_i_h, head_states in zip(cum_i, states_in, strict=True)
             for s_in in head_states
         ]
-        diag = source_terms(cb_diag, rows_i_per_head, causal=True)
-        accs = [a + b for a, b in zip(inter, diag, strict=True)]
+        # D x_i now, so the target rows' x is dead before the walk over earlier blocks.
+        skip = [
+            d_ref[h] * x.astype(jnp.float32)
+            for h, (_, _, x_i) in zip(head_ids, rows_i_per_head, strict=True)
+            for x in x_i
+        ]
+        accs = [a + b for a, b in zip(inter, skip, strict=True)]
+        if not loop_diag:
+            diag = source_terms(cb_diag, rows_i_per_head, mb, causal=True)
+            accs = [a + b for a, b in zip(accs, diag, strict=True)]
 
-        def earlier_block(kb, accs):  # source rows all before the target rows: no mask
+        def source_block(kb, accs):  # earlier blocks need no mask; the diagonal one does
             b_j, per_head = load_rows(kb)
-            terms = source_terms(gram_block(kb, b_j), per_head, causal=False)
+            terms = source_terms(gram_block(kb, b_j), per_head, kb, causal=loop_diag)
             return [acc + term for acc, term in zip(accs, terms, strict=True)]
 
-        accs = lax.fori_loop(0, mb, earlier_block, accs)
+        accs = lax.fori_loop(0, mb + 1 if loop_diag else mb, source_block, accs)
         for k, h in enumerate(head_ids):
-            d = d_ref[h]
-            x_i = rows_i_per_head[k][2]
             for q, (p_slice, p_ok) in enumerate(pieces):
-                y = accs[k * len(pieces) + q] + d * x_i[q].astype(jnp.float32)
-                if z_ref is not None:
-                    zv = z_i[k][q].astype(jnp.float32)
+                y = accs[k * len(pieces) + q]
+                if z_ref is not None:  # loaded here, where it is used: no registers held
+                    zv = plgpu.load(
+                        z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
+                    ).astype(jnp.float32)
                     y = y * zv / (1.0 + jnp.exp(-zv))  # silu(z)
                 plgpu.store(
                     y_ref.at[rows_i, h, p_slice],
@@ -516,6 +585,8 @@ def ssd_varlen_gpu(
 
     # Pass 1: the serial walk over each sequence's chunks, carrying only the states.
     block_p = min(bs.state_block_p, _pow2(head_dim))
+    # A program holding the whole head dim covers it in power-of-two pieces (80 = 64 + 16).
+    p_pieces = _pieces(head_dim) if block_p >= head_dim else ((0, block_p),)
     state_block_n = min(bs.state_block_n, block_n)
     state_operands = [
         cu_seqlens[:-1].astype(jnp.int32),
@@ -533,6 +604,7 @@ def ssd_varlen_gpu(
     if initial_states is not None:
         state_operands.append(initial_states)
     state_shape = (num_heads, head_dim, state_size)
+    entering_shape = (num_heads, state_size, head_dim) if bs.state_n_major else state_shape
     entering, final_states, tracked = pl.pallas_call(
         functools.partial(
             _state_kernel,
@@ -543,6 +615,8 @@ def ssd_varlen_gpu(
             heads=state_heads,
             block_p=block_p,
             block_n=state_block_n,
+            p_pieces=p_pieces,
+            n_major=bs.state_n_major,
             has_init=initial_states is not None,
             prefetch=bs.state_prefetch,
         ),
@@ -553,7 +627,7 @@ def ssd_varlen_gpu(
             num_seqs,
         ),
         out_shape=(
-            jax.ShapeDtypeStruct((nc, *state_shape), x.dtype),
+            jax.ShapeDtypeStruct((nc, *entering_shape), x.dtype),
             jax.ShapeDtypeStruct((num_seqs, *state_shape), state_dtype),
             jax.ShapeDtypeStruct((meta.num_slots, *state_shape), state_dtype),
         ),
@@ -604,6 +678,8 @@ def ssd_varlen_gpu(
             heads=out_heads,
             block_m=block_m,
             block_n=block_n,
+            n_major=bs.state_n_major,
+            loop_diag=bs.out_loop_diag,
             has_gram=gram is not None,
             has_z=z is not None,
         ),

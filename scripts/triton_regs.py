@@ -14,7 +14,8 @@ runs XLA's own Triton, so the counts are a close proxy, not the device's exact n
 Each argument is the kernel's block-size fields (``ConvVarlenBlockSizes`` without the
 ``gpu_`` prefix, ``ssd_pallas_gpu.BlockSizes``, ``state_update_pallas.GpuBlockSizes``); an
 empty one is the default. Shapes are Nemotron-H 9B's, as in the benchmarks. Per Pallas call
-it prints registers, spilled bytes, SASS load/store/barrier counts and, for a kernel with a
+it prints registers, spilled bytes, shared memory, SASS load/store/barrier counts, its MMA
+instructions (``HGMMA``: warpgroup MMA, wgmma; ``HMMA``: mma.sync) and, for a kernel with a
 loop, the loads in the loop body after Triton's pipeliner: ``async`` copies are prefetched
 for a later iteration, ``sync`` loads are waited on in the iteration that issues them
 (tensor loads the pipeliner moved a step ahead show up as ``sync`` too, see the TTGIR).
@@ -104,6 +105,7 @@ kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": warps, "num_stages": stages})
 open(path + ".ptx", "w").write(kernel.asm["ptx"])
 open(path + ".ttgir", "w").write(kernel.asm["ttgir"])
+print(kernel.metadata.shared)
 print(triton.__file__)
 """
 
@@ -158,7 +160,8 @@ def report(name: str, ir: str, warps: int, stages: int, triton_python: str, work
         text=True,
         check=True,
     )
-    bin_dir = os.path.join(os.path.dirname(out.stdout.strip()), "backends", "nvidia", "bin")
+    shared, triton_file = out.stdout.split()[-2:]
+    bin_dir = os.path.join(os.path.dirname(triton_file), "backends", "nvidia", "bin")
     cubin = path + ".cubin"
     ptxas = subprocess.run(
         [os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", path + ".ptx", "-o", cubin],
@@ -171,12 +174,14 @@ def report(name: str, ir: str, warps: int, stages: int, triton_python: str, work
     ).stdout
     regs = re.search(r"Used (\d+) registers", ptxas).group(1)
     spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
-    counts = {op: len(re.findall(op, sass)) for op in ("LDG", r"LDG\.E\.128", "STG", "BAR", "LDL")}
+    ops = ("LDG", r"LDG\.E\.128", "STG", "BAR", "LDL", "HGMMA", "HMMA")
+    counts = {op: len(re.findall(op, sass)) for op in ops}
     counts = " ".join(f"{op.replace(chr(92), '')} {n}" for op, n in counts.items())
     with open(path + ".ttgir") as f:
         loops = loop_loads(f.read())
     return (
-        f"  {name} ({warps} warps, {stages} stages): {regs} registers, {spills} B spilled; "
+        f"  {name} ({warps} warps, {stages} stages): {regs} registers, {spills} B spilled, "
+        f"{int(shared) // 1024} KiB shared; "
         f"SASS {counts}{loops}"
     )
 

@@ -37,7 +37,8 @@ KERNELS = {
     ),
     # Heads of a group sharing one program: B's tile in the state pass, C, B and C·Bᵀ in the
     # output pass (4 asked; each case gets the largest power of two dividing its group: 1-4),
-    # the factors of every head prefetched.
+    # the factors of every head prefetched; states carried N-major; the diagonal block walked
+    # as the loop's last source block.
     "gpu_heads": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
@@ -46,15 +47,25 @@ KERNELS = {
             state_block_n=8,
             state_heads=4,
             state_prefetch=True,
+            state_n_major=True,
             out_block_m=4,
             out_heads=4,
+            out_loop_diag=True,
         ),
     ),
-    # C·Bᵀ from the pre-pass, read by two heads per output program, several row blocks.
+    # C·Bᵀ from the pre-pass, read by two heads per output program, several row blocks; the
+    # whole head dim in one state-pass program (80 = 64 + 16 pieces), carried N-major.
     "gpu_gram": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
-        block_sizes=BlockSizes(state_heads=16, out_block_m=4, out_heads=2, out_gram=True),
+        block_sizes=BlockSizes(
+            state_heads=16,
+            state_block_p=128,
+            state_n_major=True,
+            out_block_m=4,
+            out_heads=2,
+            out_gram=True,
+        ),
     ),
 }
 GPU_VARIANTS = ["gpu", "gpu_blocks", "gpu_heads", "gpu_gram"]
@@ -169,8 +180,11 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
 
 
 # The shared-group GPU variants, lowered to Triton on CPU: 4 heads per group here, so 4 heads
-# per state-pass program, 2 per output-pass program, plus the C·Bᵀ pre-pass (a 4th kernel).
-SHARED = BlockSizes(state_heads=8, state_prefetch=True, out_heads=2, out_gram=True)
+# per state-pass program (N-major states), 2 per output-pass program, plus the C·Bᵀ pre-pass
+# (a 4th kernel).
+SHARED = BlockSizes(
+    state_heads=8, state_prefetch=True, state_n_major=True, out_heads=2, out_gram=True
+)
 
 
 @pytest.mark.parametrize(
