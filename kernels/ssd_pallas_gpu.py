@@ -54,10 +54,15 @@ MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    state_block_p: int = 16  # head-dim rows per state-pass program (power of two)
+    # State pass defaults: the fourth session's sweep on the H200 (1x8192, states only):
+    # N-major, the whole head dim a program, 8 warps, 2 stages 0.225 ms; N-major with P block
+    # 16 0.365 ms; the P-major pass before it 0.394 ms (docs/benchmarks.md, 2026-11-29).
+    # Head-dim rows per state-pass program (power of two); at least the head dim: the whole
+    # head dim in power-of-two pieces (80 = 64 + 16), so B's tile is loaded once a step.
+    state_block_p: int = 128
     state_block_n: int = 128  # state columns per state-pass program (power of two)
-    state_warps: int = 4
-    state_stages: int = 3
+    state_warps: int = 8
+    state_stages: int = 2
     # Heads of one group per state-pass program: they share the chunk's B tile, loaded once
     # per step, so B's traffic and the step count fall by this factor.
     state_heads: int = 1
@@ -70,7 +75,7 @@ class BlockSizes:
     # so B's tile is a shared-memory operand (a warpgroup MMA can read it there) instead of
     # a register-held one (222 registers a thread offline with P block 16), and the entering
     # states are stored [NC, H, N, P], the layout the output pass's C·state wants.
-    state_n_major: bool = False
+    state_n_major: bool = True
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
@@ -85,6 +90,11 @@ class BlockSizes:
     # rather than before it: all of B's and x's loads become the loop's pipelined copies, and
     # the prologue holds only C_i, the entering states and x_i for the skip term.
     out_loop_diag: bool = False
+    # > 0: the output pass as one program per (that many heads of a group, row block, chunk)
+    # looping over the heads, C_i, B and C·Bᵀ loaded and computed once
+    # (``_output_head_loop_kernel``); ``out_heads``, ``out_gram`` and ``out_loop_diag`` then
+    # do not apply.
+    out_loop_heads: int = 0
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -497,6 +507,104 @@ def _output_kernel(
                 )
 
 
+def _output_head_loop_kernel(
+    d_ref,  # f32[H]
+    lo_ref,  # i32[NC]
+    count_ref,  # i32[NC]
+    x_ref,  # [T, H, P]
+    b_ref,  # [T, G, N]
+    c_ref,  # [T, G, N]
+    dt_ref,  # f32[NC, H, C] processed dt, zero at empty positions
+    cum_ref,  # f32[NC, H, C] cumsum of dt * A
+    entering_ref,  # [NC, H, P, N] state entering each chunk ([NC, H, N, P] if n_major)
+    *rest,
+    chunk_size: int,
+    head_dim: int,
+    state_size: int,
+    heads_per_group: int,
+    heads: int,
+    block_m: int,
+    block_n: int,
+    n_major: bool,
+    has_z: bool,
+):
+    """The output pass as one program per (heads of a group, block of target rows, chunk)
+    that loads C_i and the chunk's B once, computes C_i·Bᵀ once, then loops over its heads.
+    Every head's step has the same shape (the whole chunk as source rows, masked by position),
+    so the loop's x and state loads are the pipeliner's async copies, issued a head ahead."""
+    z_ref = rest[0] if has_z else None
+    y_ref = rest[-1]
+    hb, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    count = count_ref[chunk]
+
+    @pl.when(mb * block_m < count)
+    def _():
+        first_head = hb * heads
+        g = lax.div(first_head, heads_per_group)
+        lo = lo_ref[chunk]
+        dot_dtype = x_ref.dtype
+        n_ok = jnp.arange(block_n) < state_size
+        n_slice = pl.ds(0, block_n)
+        pieces = [
+            (pl.ds(off, size), off + jnp.arange(size) < head_dim) for off, size in _pieces(head_dim)
+        ]
+        target = pl.ds(mb * block_m, block_m)
+        rows_i, rows_j = pl.ds(lo + mb * block_m, block_m), pl.ds(lo, chunk_size)
+        i_pos, j_pos = mb * block_m + jnp.arange(block_m), jnp.arange(chunk_size)
+        i_ok, j_ok = i_pos < count, j_pos < count
+        causal = i_pos[:, None] >= j_pos[None, :]
+        c_i = plgpu.load(
+            c_ref.at[rows_i, g, n_slice], mask=i_ok[:, None] & n_ok[None, :], other=0.0
+        ).astype(dot_dtype)
+        b = plgpu.load(
+            b_ref.at[rows_j, g, n_slice], mask=j_ok[:, None] & n_ok[None, :], other=0.0
+        ).astype(dot_dtype)
+        cb = _dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
+
+        def head(k, carry):
+            h = first_head + k
+            dt_j, cum_j = dt_ref[chunk, h, :], cum_ref[chunk, h, :]
+            cum_i = cum_ref[chunk, h, target]
+            seg = jnp.where(causal, cum_i[:, None] - cum_j[None, :], -jnp.inf)
+            m = (cb * jnp.exp(seg) * dt_j[None, :]).astype(dot_dtype)
+            decay_i = jnp.exp(cum_i)[:, None]
+            for p_slice, p_ok in pieces:
+                x_j = plgpu.load(
+                    x_ref.at[rows_j, h, p_slice], mask=j_ok[:, None] & p_ok[None, :], other=0.0
+                )
+                if n_major:
+                    s_in = plgpu.load(
+                        entering_ref.at[chunk, h, n_slice, p_slice],
+                        mask=n_ok[:, None] & p_ok[None, :],
+                        other=0.0,
+                    )
+                    inter = _dot(c_i, s_in, (1, 0))
+                else:
+                    s_in = plgpu.load(
+                        entering_ref.at[chunk, h, p_slice, n_slice],
+                        mask=p_ok[:, None] & n_ok[None, :],
+                        other=0.0,
+                    )
+                    inter = _dot(c_i, s_in, (1, 1))
+                x_i = plgpu.load(
+                    x_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
+                )
+                y = inter * decay_i + _dot(m, x_j, (1, 0)) + d_ref[h] * x_i.astype(jnp.float32)
+                if z_ref is not None:
+                    zv = plgpu.load(
+                        z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
+                    ).astype(jnp.float32)
+                    y = y * zv / (1.0 + jnp.exp(-zv))  # silu(z)
+                plgpu.store(
+                    y_ref.at[rows_i, h, p_slice],
+                    y.astype(y_ref.dtype),
+                    mask=i_ok[:, None] & p_ok[None, :],
+                )
+            return carry
+
+        lax.fori_loop(0, heads, head, 0)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -637,9 +745,10 @@ def ssd_varlen_gpu(
     )(*state_operands)
 
     # Pass 2: every (heads, row block, chunk) independently.
+    # (``out_loop_heads``: every (group slice, row block, chunk), looping over its heads.)
     block_m = min(bs.out_block_m, chunk_size)
     gram = None
-    if bs.out_gram:  # C·Bᵀ once per (group, row block, chunk) for all the group's heads
+    if bs.out_gram and not bs.out_loop_heads:  # C·Bᵀ once per (group, row block, chunk)
         gram = pl.pallas_call(
             functools.partial(
                 _gram_kernel,
@@ -669,9 +778,21 @@ def ssd_varlen_gpu(
         out_operands.append(gram)
     if z is not None:
         out_operands.append(z)
+    if bs.out_loop_heads:  # heads of a group walked in one program, C·Bᵀ computed once
+        out_heads = math.gcd(bs.out_loop_heads, heads_per_group)
+        out_kernel = functools.partial(
+            _output_head_loop_kernel, chunk_size=chunk_size, has_z=z is not None
+        )
+    else:
+        out_kernel = functools.partial(
+            _output_kernel,
+            loop_diag=bs.out_loop_diag,
+            has_gram=gram is not None,
+            has_z=z is not None,
+        )
     y = pl.pallas_call(
         functools.partial(
-            _output_kernel,
+            out_kernel,
             head_dim=head_dim,
             state_size=state_size,
             heads_per_group=heads_per_group,
@@ -679,9 +800,6 @@ def ssd_varlen_gpu(
             block_m=block_m,
             block_n=block_n,
             n_major=bs.state_n_major,
-            loop_diag=bs.out_loop_diag,
-            has_gram=gram is not None,
-            has_z=z is not None,
         ),
         grid=(num_heads // out_heads, chunk_size // block_m, nc),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -261,10 +261,11 @@ def to_torch(a, dtype=None):
 ROWS = []
 
 
-def report(case, ours, xla, sgl, nbytes, in_program=None):
+def report(case, ours, xla, sgl, nbytes, in_program=None, roof=None):
     """``in_program``: {label: op} of decode steps to time inside a busy program at the end
-    of the run (``measure_in_program``), "ours" first."""
-    roof = nbytes / HBM
+    of the run (``measure_in_program``), "ours" first. ``roof``: the roofline time where it is
+    not ``nbytes`` over HBM (FLOP-bound cases)."""
+    roof = nbytes / HBM if roof is None else roof
     ROWS.append(dict(case=case, ours=ours, xla=xla, sgl=sgl, roof=roof, in_program=in_program))
     sgl_s = f"{sgl * 1e6:9.1f}" if sgl else "      n/a"
     ratio = f"{sgl / ours:5.2f}x" if sgl else "  n/a"
@@ -640,11 +641,44 @@ def conv_update_variants(smoke: bool):
     }
 
 
+def bench_ssd(names: list[str]):
+    """SSD prefill cases of ``scripts/bench_ssd.py`` (which see), timed in this run: ours
+    checked against the reference first, SGLang's chunked-scan chain with
+    ``triton.testing.do_bench``."""
+    import bench_ssd as ssd  # scripts/ is this script's folder, first on sys.path
+
+    sgl = None
+    if HAVE_SGL:
+        try:
+            import triton.testing
+            from sglang.kernels.ops.mamba.triton_ops import mamba_chunk_scan_combined  # noqa: F401
+
+            sgl = triton.testing
+        except ImportError as e:
+            print(f"SGLang's SSD chain not importable ({e}); timing ours and XLA only")
+    for name in names:
+        r = ssd.measure_case(name, sgl)
+        print(f"  ssd {name}: state pass alone {r['states']:.3f} ms")
+        report(
+            f"ssd {name}{'' if r['ok'] else ' (MISMATCH)'}",
+            r["ours"] / 1e3,
+            r["xla"] / 1e3,
+            r["sgl"] / 1e3 if np.isfinite(r["sgl"]) else None,
+            None,
+            roof=r["roof"] / 1e3,  # bytes or FLOPs, whichever binds (bench_ssd.roofline)
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument(
-        "--cases", default="ssu,conv_prefill,conv_update", help="comma-separated subset"
+        "--cases", default="ssu,conv_prefill,conv_update,ssd", help="comma-separated subset"
+    )
+    parser.add_argument(
+        "--ssd-cases",
+        default="1x8192,1x16384,8x2048 init,64x256 init,ragged init",
+        help="SSD prefill cases (scripts/bench_ssd.py's names, comma-separated)",
     )
     parser.add_argument("--smoke", action="store_true", help="toy shapes, interpret mode")
     parser.add_argument(
@@ -681,6 +715,8 @@ def main():
             variants = conv_update_variants(args.smoke) if args.sweep else None
             steps = 2 if args.smoke else steps
             bench_conv_update(rows, steps, args.reps, rng, variants, args.scan)
+    if "ssd" in cases and not args.smoke:  # full shapes only
+        bench_ssd(args.ssd_cases.split(","))
     pending = [row for row in ROWS if row["in_program"]]
     if pending:
         print("\nDecode steps inside a busy program (the way the engine's decode step runs them):")

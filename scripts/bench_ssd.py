@@ -202,44 +202,30 @@ def sweep():
     # device command: v1's (1 state stage, 3 output stages, 8 output warps, output block_m 32),
     # and the third session's 4-16 heads a state-pass program and 4 heads an output program.
     state_variants = [
-        dict(),
-        # The next chunk's decay, tracking flag and weights loaded one step ahead.
-        dict(state_prefetch=True),
-        # 8 warps: 100 registers a thread instead of 222 (offline, scripts/triton_regs.py).
-        dict(state_warps=8),
-        # States carried N-major (Bᵀ·(x∘w)): B's tile a shared-memory wgmma operand, 108
-        # registers a thread at P block 16 (offline), 80 with an N block of 64.
-        dict(state_n_major=True),
-        dict(state_n_major=True, state_stages=2),
-        dict(state_n_major=True, state_prefetch=True),
-        dict(state_n_major=True, state_warps=8),
-        dict(state_n_major=True, state_block_n=64),
-        dict(state_n_major=True, state_block_n=64, state_stages=2),
-        dict(state_n_major=True, state_block_p=32),
-        dict(state_n_major=True, state_block_p=32, state_block_n=64),
-        dict(state_n_major=True, state_heads=2),
-        dict(state_n_major=True, state_heads=2, state_block_n=64),
-        # One program a head: the whole head dim (64 + 16 pieces), B loaded once a step.
-        dict(state_n_major=True, state_block_p=128, state_warps=8, state_stages=2),
-        dict(state_n_major=True, state_block_p=128, state_block_n=64, state_stages=2),
+        dict(),  # N-major, whole head dim, 8 warps, 2 stages: the fourth session's best
+        dict(state_prefetch=True),  # helped N-major at P block 16: 0.365 -> 0.302 ms
+        dict(state_block_n=64),
+        dict(state_block_n=64, state_prefetch=True),
+        dict(state_stages=3),
+        dict(state_block_n=64, state_warps=4, state_prefetch=True),
+        dict(state_block_p=32, state_block_n=64, state_warps=4, state_prefetch=True),
+        dict(state_n_major=False, state_block_p=16, state_warps=4, state_stages=3),  # before
     ]
     out_variants = [
         dict(),
-        dict(out_stages=1),
         dict(out_heads=1),
-        # 1 head, 8 warps: no spill (offline); 2 heads at 4 warps spill.
-        dict(out_heads=1, out_warps=8),
-        dict(out_block_m=128, out_warps=8, out_heads=1),
-        dict(out_gram=True),
-        dict(out_heads=2, out_gram=True),
-        # The diagonal block inside the loop over source blocks: every B and x load a
-        # pipelined copy.
-        dict(out_loop_diag=True),
-        dict(out_loop_diag=True, out_stages=3),
-        dict(out_loop_diag=True, out_heads=1),
-        dict(out_loop_diag=True, out_heads=1, out_warps=8),
-        dict(out_loop_diag=True, out_heads=1, out_stages=3),
-        dict(out_loop_diag=True, out_block_m=128, out_warps=8, out_heads=1),
+        # One program per (heads of a group, row block, chunk) looping over those heads: C_i,
+        # B and C·Bᵀ once, every head's loads the loop's pipelined copies.
+        dict(out_loop_heads=16),
+        dict(out_loop_heads=16, out_warps=8),
+        dict(out_loop_heads=16, out_stages=3),
+        dict(out_loop_heads=8),
+        dict(out_loop_heads=8, out_warps=8),
+        dict(out_loop_heads=4),
+        dict(out_loop_heads=16, out_block_m=128, out_warps=8),
+        dict(out_loop_heads=8, out_block_m=128, out_warps=8),
+        dict(out_loop_heads=4, out_block_m=128, out_warps=8),
+        dict(out_loop_heads=16, out_block_m=32, out_warps=4),
     ]
 
     def measure(changes, states_only):
@@ -294,55 +280,59 @@ def main():
         except Exception as e:  # noqa: BLE001
             print("no triton/torch:", e)
 
-    rows = []
-    for name in args.cases.split(","):
-        lengths = CASES[name]
-        with_init = "init" in name
-        inp = make_inputs(lengths, with_init)
-        real = sum(lengths)
-        fn, fargs = ours(inp, "pallas", best)
-        ref_fn, _ = ours(inp, "ref")
-        y_ref, final_ref, tracked_ref = ref_fn(*fargs)
-        t_ref = time_jax(ref_fn, *fargs, iters=10) * 1e3
-        try:
-            y, final, tracked = fn(*fargs)
-            err_y = rel_err(y[:real], y_ref[:real])
-            err_s = max(rel_err(final, final_ref), rel_err(tracked, tracked_ref))
-            ok = err_y < 2e-2 and err_s < 2e-2 and bool(jnp.all(jnp.isfinite(y[:real])))
-            t_ours = time_jax(fn, *fargs) * 1e3
-            states_fn, _ = ours(inp, "pallas", best, states_only=True)
-            t_states = time_jax(states_fn, *fargs) * 1e3
-        except Exception as e:  # noqa: BLE001
-            print(f"{name}: ours FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
-            ok, err_y, err_s = False, float("nan"), float("nan")
-            t_ours = t_states = float("nan")
-        t_sgl = float("nan")
-        if sgl is not None:
-            try:
-                run, _ = sglang_fn(inp, lengths)
-                t_sgl = sgl.do_bench(run, warmup=25, rep=100, return_mode="median")
-            except Exception as e:  # noqa: BLE001
-                print(f"{name}: sglang FAILED {type(e).__name__}: {str(e)[:300]}")
-        roof = roofline(lengths, with_init) * 1e3
-        rows.append((name, ok, err_y, err_s, t_ours, t_states, t_ref, t_sgl, roof))
-        print(
-            f"{name:12s} ok={ok} err_y={err_y:.1e} err_state={err_s:.1e} ours={t_ours:.3f} ms "
-            f"(state pass {t_states:.3f} ms) "
-            f"xla_ref={t_ref:.3f} ms sglang={t_sgl:.3f} ms roofline={roof:.3f} ms",
-            flush=True,
-        )
-
+    rows = [measure_case(name, sgl, best) for name in args.cases.split(",")]
     print(
         "\n| case | ours ms | state pass ms | XLA ref ms | SGLang ms | ours/SGLang | roofline ms "
         "| ours % roof |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, ok, _, _, t_ours, t_states, t_ref, t_sgl, roof in rows:
-        flag = "" if ok else " (MISMATCH)"
+    for r in rows:
+        flag = "" if r["ok"] else " (MISMATCH)"
         print(
-            f"| {name}{flag} | {t_ours:.3f} | {t_states:.3f} | {t_ref:.3f} | {t_sgl:.3f} | "
-            f"{t_ours / t_sgl:.2f} | {roof:.3f} | {100 * roof / t_ours:.0f} % |"
+            f"| {r['name']}{flag} | {r['ours']:.3f} | {r['states']:.3f} | {r['xla']:.3f} | "
+            f"{r['sgl']:.3f} | {r['ours'] / r['sgl']:.2f} | {r['roof']:.3f} | "
+            f"{100 * r['roof'] / r['ours']:.0f} % |"
         )
+
+
+def measure_case(name, sgl, best=None):
+    """One case: ours checked against the reference, then ours, our state pass alone, the
+    reference and SGLang (``sgl``: ``triton.testing`` or None) timed; times in ms."""
+    lengths = CASES[name]
+    with_init = "init" in name
+    inp = make_inputs(lengths, with_init)
+    real = sum(lengths)
+    fn, fargs = ours(inp, "pallas", best)
+    ref_fn, _ = ours(inp, "ref")
+    y_ref, final_ref, tracked_ref = ref_fn(*fargs)
+    t_ref = time_jax(ref_fn, *fargs, iters=10) * 1e3
+    try:
+        y, final, tracked = fn(*fargs)
+        err_y = rel_err(y[:real], y_ref[:real])
+        err_s = max(rel_err(final, final_ref), rel_err(tracked, tracked_ref))
+        ok = err_y < 2e-2 and err_s < 2e-2 and bool(jnp.all(jnp.isfinite(y[:real])))
+        t_ours = time_jax(fn, *fargs) * 1e3
+        states_fn, _ = ours(inp, "pallas", best, states_only=True)
+        t_states = time_jax(states_fn, *fargs) * 1e3
+    except Exception as e:  # noqa: BLE001
+        print(f"{name}: ours FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
+        ok, err_y, err_s = False, float("nan"), float("nan")
+        t_ours = t_states = float("nan")
+    t_sgl = float("nan")
+    if sgl is not None:
+        try:
+            run, _ = sglang_fn(inp, lengths)
+            t_sgl = sgl.do_bench(run, warmup=25, rep=100, return_mode="median")
+        except Exception as e:  # noqa: BLE001
+            print(f"{name}: sglang FAILED {type(e).__name__}: {str(e)[:300]}")
+    roof = roofline(lengths, with_init) * 1e3
+    print(
+        f"{name:12s} ok={ok} err_y={err_y:.1e} err_state={err_s:.1e} ours={t_ours:.3f} ms "
+        f"(state pass {t_states:.3f} ms) "
+        f"xla_ref={t_ref:.3f} ms sglang={t_sgl:.3f} ms roofline={roof:.3f} ms",
+        flush=True,
+    )
+    return dict(name=name, ok=ok, ours=t_ours, states=t_states, xla=t_ref, sgl=t_sgl, roof=roof)
 
 
 if __name__ == "__main__":

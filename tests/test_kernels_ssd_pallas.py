@@ -27,12 +27,26 @@ KERNELS = {
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim and state slices in the state pass (the last state slice partly
     # masked when N is 12), several row blocks per chunk in the output pass (the causal walk);
-    # the state pass loading each chunk's factors one step ahead.
+    # the state pass loading each chunk's factors one step ahead; the output pass looping over
+    # 2 heads a program.
     "gpu_blocks": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
         block_sizes=BlockSizes(
-            state_block_p=4, state_block_n=8, out_block_m=4, state_prefetch=True
+            state_block_p=4,
+            state_block_n=8,
+            out_block_m=4,
+            state_prefetch=True,
+            out_loop_heads=2,
+        ),
+    ),
+    # The N-major state pass with the whole head dim a program (64 + 16 pieces at P 80), and
+    # the output pass looping over every head of a group (1-4 here).
+    "gpu_loop": functools.partial(
+        ssd_varlen_gpu,
+        interpret=True,
+        block_sizes=BlockSizes(
+            state_block_p=128, state_n_major=True, out_block_m=4, out_loop_heads=16
         ),
     ),
     # Heads of a group sharing one program: B's tile in the state pass, C, B and C·Bᵀ in the
@@ -68,7 +82,7 @@ KERNELS = {
         ),
     ),
 }
-GPU_VARIANTS = ["gpu", "gpu_blocks", "gpu_heads", "gpu_gram"]
+GPU_VARIANTS = ["gpu", "gpu_blocks", "gpu_heads", "gpu_gram", "gpu_loop"]
 
 
 def _call(kernel, inp, cu, *, chunk_size=CHUNK, init=None, starts=None, **kwargs):
