@@ -1,38 +1,39 @@
-"""Varlen chunked SSD scan as three Pallas GPU kernels, four with ``out_gram`` (Triton lowering).
+"""Varlen chunked SSD scan as three Pallas GPU kernels (Triton lowering).
 
 0. **dt pass**, grid ``(H, NC)``: the processed dt, its per-chunk cumsum of ``dt * A`` and
    each position's weight in its chunk's end state, ``dt exp(cum[-1] - cum)``, all
    ``f32[NC, H, C]`` (tiny next to x).
-1. **State pass**, grid ``(H / state_heads, P / state_block_p, N / state_block_n, S)``: one
-   program per (heads, state slice, sequence) walks that sequence's chunks in order with its
-   slice of the running state of ``state_heads`` heads of one group in registers, doing only
-   ``state = exp(cum[-1]) state + (x ∘ weight)ᵀ B`` (one small matmul per head, B's tile
-   loaded once for them all) per chunk. Every address of a step follows from per-sequence
-   scalars, so nothing in the chain waits on a load of metadata. It writes each chunk's *entering*
-   state (in the dot dtype: the output pass feeds it to a matmul anyway), the final states
-   and the requested chunk states (state dtype).
-2. **Output pass**, grid ``(H / out_heads, C / out_block_m, NC)``: every (heads, block of
-   target rows, chunk) independently computes
+1. **State pass**, grid ``(H, P / state_block_p, N / state_block_n, S)``: one program per
+   (head, state slice, sequence) walks that sequence's chunks in order with its slice of the
+   running state in registers, doing only ``state = exp(cum[-1]) state + Bᵀ (x ∘ weight)``
+   per chunk. The state is carried N-major (``[N, P]``): N is the matmul's M, so B's tile is
+   a shared-memory operand of a warpgroup MMA, not a register-held one. Every address of a
+   step follows from per-sequence scalars, so nothing in the chain waits on a load of
+   metadata. It writes each chunk's *entering* state (``[NC, H, N, P]`` in the dot dtype:
+   the output pass feeds it to a matmul anyway), the final states and the requested chunk
+   states (``[., H, P, N]``, state dtype).
+2. **Output pass**, grid ``(H / out_heads, C / out_block_m, NC)``: every (heads of one group,
+   block of target rows, chunk) loads C_i and the chunk's B once, computes ``C_i·Bᵀ`` once
+   (it is the same for every head of a group), then loops over its heads computing
    ``y_i = Σ_{j<=i} (C_i·B_j) exp(cum_i - cum_j) dt_j x_j + exp(cum_i) C_i·state_in + D x_i``,
-   gated by ``silu(z)``: the diagonal block from the target block's own rows, then the
-   earlier blocks, unmasked. All loads of the target block are issued first. ``C_i·B_j`` is
-   the same for every head of a group: computed once per program for its ``out_heads`` heads,
-   or (``out_gram``) read from a pre-pass, grid ``(G, C / out_block_m, NC)``, that writes it
-   per (group, chunk) in the dot dtype, ``[NC, G, C, C]``.
+   gated by ``silu(z)``, with the whole chunk as source rows masked by position. Every head's
+   step has the same shape, so its x and state loads are the pipeliner's async copies,
+   issued a head ahead.
 
 Splitting keeps the serial chain short and leaves the bulk of the FLOPs to a pass with
-``H * NC * C / out_block_m`` independent programs. The price is the entering states' round
-trip through HBM, ``NC * H * P * N`` dot-dtype elements (as large as x when N = C).
+``H / out_heads * NC * C / out_block_m`` independent programs. The price is the entering
+states' round trip through HBM, ``NC * H * P * N`` dot-dtype elements (as large as x when
+N = C).
 
 Each chunk is read straight from the packed ``[T, ...]`` arrays as a masked window of C rows
 starting at the chunk's first token: no regrouping pass, no padding copy. Triton needs
 power-of-two blocks: N is padded to a power of two, and the head dim is covered by
-power-of-two pieces (80 = 64 + 16 in the output pass), both masked, never padded in memory.
+power-of-two pieces (80 = 64 + 16), both masked, never padded in memory.
 
 Why the Triton lowering and not Mosaic GPU: see ``scripts/bench_ssd.py``'s docstring.
+The block sizes and the designs that lost to these: ``docs/ssd_gpu_notes.md``.
 
-Notation: T tokens, H heads, P head dim, G groups, N state, S sequences, C chunk, NC chunks.
-"""
+Notation: T tokens, H heads, P head dim, G groups, N state, S sequences, C chunk, NC chunks."""
 
 from __future__ import annotations
 
@@ -54,47 +55,27 @@ MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    # State pass defaults: the fourth session's sweep on the H200 (1x8192, states only):
-    # N-major, the whole head dim a program, 8 warps, 2 stages 0.225 ms; N-major with P block
-    # 16 0.365 ms; the P-major pass before it 0.394 ms (docs/benchmarks.md, 2026-11-29).
-    # Head-dim rows per state-pass program (power of two); at least the head dim: the whole
-    # head dim in power-of-two pieces (80 = 64 + 16), so B's tile is loaded once a step.
+    # Defaults: the fourth session's sweeps on the H200 (1x8192; docs/benchmarks.md,
+    # 2026-11-29). State pass alone: 0.206 ms, against 0.393 ms for the P-major pass before it.
+    # Full call: 0.530 ms with 16 heads an output program, against 0.611 ms for the best
+    # output pass before it (2 heads a program, no loop).
+    # Head-dim rows per state-pass program (power of two). At least the head dim: the whole
+    # head dim in one program, in power-of-two pieces (80 = 64 + 16), B's tile loaded once a
+    # step for all of it.
     state_block_p: int = 128
-    state_block_n: int = 128  # state columns per state-pass program (power of two)
-    state_warps: int = 8
+    state_block_n: int = 64  # state rows per state-pass program (power of two)
+    state_warps: int = 4
     state_stages: int = 2
-    # Heads of one group per state-pass program: they share the chunk's B tile, loaded once
-    # per step, so B's traffic and the step count fall by this factor.
-    state_heads: int = 1
     # Load the next chunk's decay and tracking flag (and position weights) one step ahead,
-    # carried in the loop. Offline (Triton 3.6, sm_90a) the pipeliner prefetches x, B and the
-    # weights but loads the decay and the flag in the step that uses them: two load latencies
-    # a step on the serial chain.
-    state_prefetch: bool = False
-    # Carry each state as [N, P] and compute Bᵀ·(x∘w): the state dim becomes the matmul's M,
-    # so B's tile is a shared-memory operand (a warpgroup MMA can read it there) instead of
-    # a register-held one (222 registers a thread offline with P block 16), and the entering
-    # states are stored [NC, H, N, P], the layout the output pass's C·state wants.
-    state_n_major: bool = True
+    # carried in the loop. Otherwise the pipeliner prefetches x, B and the weights but loads
+    # the decay and the flag in the step that uses them (offline, Triton 3.6, sm_90a): two
+    # load latencies a step on the serial chain.
+    state_prefetch: bool = True
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
-    # Heads of one group per output-pass program: they share the C and B loads and C·Bᵀ.
-    # 2: the sweep's fastest on the H200 (1x8192: 0.770 ms against 0.799 ms with 1, 1.056
-    # and 1.597 ms with 2 and 4 at 8 warps; docs/benchmarks.md, 2026-11-29).
-    out_heads: int = 2
-    # C·Bᵀ per (group, chunk) from a pre-pass, stored in the dot dtype and read by every head
-    # of the group, instead of computed by each (head, row block) program.
-    out_gram: bool = False
-    # The diagonal block as the last step of the loop over source blocks (masked by position)
-    # rather than before it: all of B's and x's loads become the loop's pipelined copies, and
-    # the prologue holds only C_i, the entering states and x_i for the skip term.
-    out_loop_diag: bool = False
-    # > 0: the output pass as one program per (that many heads of a group, row block, chunk)
-    # looping over the heads, C_i, B and C·Bᵀ loaded and computed once
-    # (``_output_head_loop_kernel``); ``out_heads``, ``out_gram`` and ``out_loop_diag`` then
-    # do not apply.
-    out_loop_heads: int = 0
+    # Heads of one group per output-pass program, looped: they share C_i, B and C·Bᵀ.
+    out_heads: int = 16
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -178,20 +159,17 @@ def _state_kernel(
     head_dim: int,
     state_size: int,
     heads_per_group: int,
-    heads: int,
     block_p: int,
     block_n: int,
     p_pieces: tuple[tuple[int, int], ...],
-    n_major: bool,
     has_init: bool,
     prefetch: bool,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
-    entering_ref, final_ref, tracked_ref = rest
-    hb, pb, nb, s = (pl.program_id(i) for i in range(4))
-    head_ids = [hb * heads + k for k in range(heads)]  # all in one group
-    g = lax.div(head_ids[0], heads_per_group)
+    entering_ref, final_ref, tracked_ref = rest  # [NC, H, N, P]; [S, H, P, N]; [K, H, P, N]
+    h, pb, nb, s = (pl.program_id(i) for i in range(4))
+    g = lax.div(h, heads_per_group)
     start, length = seq_start_ref[s], seq_len_ref[s]
     first, seq_chunks = seq_first_ref[s], seq_count_ref[s]
     first_count = count_ref[first]
@@ -200,27 +178,20 @@ def _state_kernel(
     n_ok = nb * block_n + jnp.arange(block_n) < state_size
     n_slice = pl.ds(nb * block_n, block_n)
     # The program's head-dim slice in power-of-two pieces (80 = 64 + 16 when one program holds
-    # the whole head dim), each carried as its own state tile.
+    # the whole head dim), each carried as its own [N slice, P piece] state tile.
     pieces = [
         (pl.ds(pb * block_p + off, size), pb * block_p + off + jnp.arange(size) < head_dim)
         for off, size in p_pieces
     ]
 
-    def pn_mask(p_ok):  # [P piece, N slice], the layout of the states in and out
+    def pn_mask(p_ok):  # [P piece, N slice]: the layout of the states in and out
         return p_ok[:, None] & n_ok[None, :]
 
-    def tile_mask(p_ok):  # the carried tile: [N slice, P piece] if n_major, else [P, N]
-        return n_ok[:, None] & p_ok[None, :] if n_major else pn_mask(p_ok)
-
-    def as_pn(tile):
-        return tile.T if n_major else tile
-
     def chunk_factors(chunk):
-        """Each head's position weights and end-of-chunk decay for one chunk, and whether its
-        end state is tracked."""
-        weights = tuple(weight_ref[chunk, h, :] for h in head_ids)
-        decays = tuple(jnp.exp(cum_ref[chunk, h, chunk_size - 1]) for h in head_ids)
-        return weights, decays, track_ref[chunk]
+        """The position weights and end-of-chunk decay of one chunk, and whether its end
+        state is tracked."""
+        decay = jnp.exp(cum_ref[chunk, h, chunk_size - 1])
+        return weight_ref[chunk, h, :], decay, track_ref[chunk]
 
     def step(j, carry):
         states, factors = carry if prefetch else (carry, None)
@@ -230,108 +201,60 @@ def _state_kernel(
         offset = jnp.where(j == 0, 0, first_count + (j - 1) * chunk_size)
         rows = pl.ds(start + offset, chunk_size)
         t_ok = pos < length - offset
-        # Every load of the step first; B's tile once for all the program's heads.
+        # Every load of the step first.
         b = plgpu.load(b_ref.at[rows, g, n_slice], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
         xs = [
-            [
-                plgpu.load(
-                    x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0
-                )
-                for p_slice, p_ok in pieces
-            ]
-            for h in head_ids
+            plgpu.load(x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+            for p_slice, p_ok in pieces
         ]
         if prefetch:  # this chunk's factors came with the carry; load the next one's
-            weights, decays, tracked = factors
-            factors = chunk_factors(first + jnp.minimum(j + 1, seq_chunks - 1))
+            (weight, decay, tracked), factors = (
+                factors,
+                chunk_factors(first + jnp.minimum(j + 1, seq_chunks - 1)),
+            )
         else:
-            weights, decays, tracked = chunk_factors(chunk)
+            weight, decay, tracked = chunk_factors(chunk)
         b = b.astype(x_ref.dtype)
 
         new_states = []
-        for k, h in enumerate(head_ids):
-            for q, (p_slice, p_ok) in enumerate(pieces):
-                state = states[k * len(pieces) + q]
-                entering = (
-                    entering_ref.at[chunk, h, n_slice, p_slice]
-                    if n_major
-                    else entering_ref.at[chunk, h, p_slice, n_slice]
-                )
-                plgpu.store(entering, state.astype(entering_ref.dtype), mask=tile_mask(p_ok))
-                xw = (xs[k][q].astype(jnp.float32) * weights[k][:, None]).astype(x_ref.dtype)
-                # n_major: Bᵀ [N, C] · xw [C, P]: N is the matmul's M, so B's tile can feed a
-                # warpgroup MMA from shared memory; otherwise xwᵀ [P, C] · B [C, N].
-                update = _dot(b, xw, (0, 0)) if n_major else _dot(xw, b, (0, 0))
-                new_states.append(decays[k] * state + update)
+        for x, state, (p_slice, p_ok) in zip(xs, states, pieces, strict=True):
+            plgpu.store(
+                entering_ref.at[chunk, h, n_slice, p_slice],
+                state.astype(entering_ref.dtype),
+                mask=n_ok[:, None] & p_ok[None, :],
+            )
+            xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)  # [C, P piece]
+            new_states.append(decay * state + _dot(b, xw, (0, 0)))  # Bᵀ [N, C] · xw [C, P]
 
         @pl.when(tracked != 0)
         def _():
             slot = slot_ref[chunk]
-            for k, h in enumerate(head_ids):
-                for q, (p_slice, p_ok) in enumerate(pieces):
-                    plgpu.store(
-                        tracked_ref.at[slot, h, p_slice, n_slice],
-                        as_pn(new_states[k * len(pieces) + q]).astype(tracked_ref.dtype),
-                        mask=pn_mask(p_ok),
-                    )
+            for state, (p_slice, p_ok) in zip(new_states, pieces, strict=True):
+                plgpu.store(
+                    tracked_ref.at[slot, h, p_slice, n_slice],
+                    state.T.astype(tracked_ref.dtype),
+                    mask=pn_mask(p_ok),
+                )
 
         return (tuple(new_states), factors) if prefetch else tuple(new_states)
 
-    def initial_state(h, p_slice, p_ok):
+    def initial_state(p_slice, p_ok):
         if init_ref is None:
-            size = p_ok.shape[0]
-            return jnp.zeros((block_n, size) if n_major else (size, block_n), jnp.float32)
+            return jnp.zeros((block_n, p_ok.shape[0]), jnp.float32)
         state = plgpu.load(init_ref.at[s, h, p_slice, n_slice], mask=pn_mask(p_ok), other=0.0)
-        return as_pn(state.astype(jnp.float32))
+        return state.astype(jnp.float32).T
 
-    states = tuple(initial_state(h, p_slice, p_ok) for h in head_ids for p_slice, p_ok in pieces)
+    states = tuple(initial_state(p_slice, p_ok) for p_slice, p_ok in pieces)
     if prefetch:  # ``first`` is a real chunk even for an empty sequence (build_chunk_layout)
         states, _ = lax.fori_loop(0, seq_chunks, step, (states, chunk_factors(first)))
     else:
         states = lax.fori_loop(0, seq_chunks, step, states)
-    for k, h in enumerate(head_ids):
-        for q, (p_slice, p_ok) in enumerate(pieces):
-            plgpu.store(
-                final_ref.at[s, h, p_slice, n_slice],
-                as_pn(states[k * len(pieces) + q]).astype(final_ref.dtype),
-                mask=pn_mask(p_ok),
-            )
-
-
-def _gram_kernel(
-    lo_ref,  # i32[NC]
-    count_ref,  # i32[NC]
-    b_ref,  # [T, G, N]
-    c_ref,  # [T, G, N]
-    gram_ref,  # [NC, G, C, C] C·Bᵀ of each chunk, rows of the target block mb
-    *,
-    chunk_size: int,
-    state_size: int,
-    block_m: int,
-    block_n: int,
-):
-    g, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    count = count_ref[chunk]
-
-    @pl.when(mb * block_m < count)  # the output pass reads no row block past the chunk's end
-    def _():
-        lo = lo_ref[chunk]
-        n_ok = jnp.arange(block_n) < state_size
-        n_slice = pl.ds(0, block_n)
-        i_ok = mb * block_m + jnp.arange(block_m) < count
-        j_ok = jnp.arange(chunk_size) < count
-        c_i = plgpu.load(
-            c_ref.at[pl.ds(lo + mb * block_m, block_m), g, n_slice],
-            mask=i_ok[:, None] & n_ok[None, :],
-            other=0.0,
+    for state, (p_slice, p_ok) in zip(states, pieces, strict=True):
+        plgpu.store(
+            final_ref.at[s, h, p_slice, n_slice],
+            state.T.astype(final_ref.dtype),
+            mask=pn_mask(p_ok),
         )
-        b = plgpu.load(
-            b_ref.at[pl.ds(lo, chunk_size), g, n_slice],
-            mask=j_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        gram = _dot(c_i.astype(gram_ref.dtype), b.astype(gram_ref.dtype), (1, 1))
-        gram_ref[chunk, g, pl.ds(mb * block_m, block_m), :] = gram.astype(gram_ref.dtype)
 
 
 def _output_kernel(
@@ -343,180 +266,7 @@ def _output_kernel(
     c_ref,  # [T, G, N]
     dt_ref,  # f32[NC, H, C] processed dt, zero at empty positions
     cum_ref,  # f32[NC, H, C] cumsum of dt * A
-    entering_ref,  # [NC, H, P, N] state entering each chunk ([NC, H, N, P] if n_major)
-    *rest,
-    head_dim: int,
-    state_size: int,
-    heads_per_group: int,
-    heads: int,
-    block_m: int,
-    block_n: int,
-    n_major: bool,
-    loop_diag: bool,
-    has_gram: bool,
-    has_z: bool,
-):
-    rest = list(rest)
-    gram_ref = rest.pop(0) if has_gram else None  # [NC, G, C, C]
-    z_ref = rest.pop(0) if has_z else None
-    (y_ref,) = rest
-    hb, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    count = count_ref[chunk]
-
-    @pl.when(mb * block_m < count)
-    def _():
-        head_ids = [hb * heads + k for k in range(heads)]  # all in one group
-        g = lax.div(head_ids[0], heads_per_group)
-        lo = lo_ref[chunk]
-        dot_dtype = x_ref.dtype
-        n_ok = jnp.arange(block_n) < state_size
-        n_slice = pl.ds(0, block_n)
-        pieces = [
-            (pl.ds(off, size), off + jnp.arange(size) < head_dim) for off, size in _pieces(head_dim)
-        ]
-        target = pl.ds(mb * block_m, block_m)
-
-        def load_rows(kb):
-            """The chunk's row block kb: B (unless C·Bᵀ comes from the pre-pass) and, per head,
-            dt, cum and the x pieces."""
-            rows = pl.ds(lo + kb * block_m, block_m)
-            r_ok = kb * block_m + jnp.arange(block_m) < count
-            b = None
-            if gram_ref is None:
-                b = plgpu.load(
-                    b_ref.at[rows, g, n_slice], mask=r_ok[:, None] & n_ok[None, :], other=0.0
-                ).astype(dot_dtype)
-            block = pl.ds(kb * block_m, block_m)
-            per_head = [
-                (
-                    dt_ref[chunk, h, block],
-                    cum_ref[chunk, h, block],
-                    [
-                        plgpu.load(
-                            x_ref.at[rows, h, p_slice],
-                            mask=r_ok[:, None] & p_ok[None, :],
-                            other=0.0,
-                        )
-                        for p_slice, p_ok in pieces
-                    ],
-                )
-                for h in head_ids
-            ]
-            return b, per_head
-
-        def gram_block(kb, b_j):
-            """C_i·B_jᵀ for target rows i and source block kb, float32 [block_m, block_m]."""
-            if gram_ref is None:
-                return _dot(c_i, b_j, (1, 1))
-            return gram_ref[chunk, g, target, pl.ds(kb * block_m, block_m)].astype(jnp.float32)
-
-        # Every load of the target block first, so their latencies overlap.
-        rows_i = pl.ds(lo + mb * block_m, block_m)
-        i_ok = mb * block_m + jnp.arange(block_m) < count
-        c_i = plgpu.load(
-            c_ref.at[rows_i, g, n_slice], mask=i_ok[:, None] & n_ok[None, :], other=0.0
-        )
-        c_i = c_i.astype(dot_dtype)
-        if loop_diag:  # the loop loads the target block's B and x again, as a source block
-            rows_i_per_head = [
-                (
-                    None,
-                    cum_ref[chunk, h, target],
-                    [
-                        plgpu.load(
-                            x_ref.at[rows_i, h, p_slice],
-                            mask=i_ok[:, None] & p_ok[None, :],
-                            other=0.0,
-                        )
-                        for p_slice, p_ok in pieces
-                    ],
-                )
-                for h in head_ids
-            ]
-        else:
-            b_i, rows_i_per_head = load_rows(mb)
-            cb_diag = gram_block(mb, b_i)
-        states_in = [
-            [
-                plgpu.load(
-                    entering_ref.at[chunk, h, n_slice, p_slice],
-                    mask=n_ok[:, None] & p_ok[None, :],
-                    other=0.0,
-                )
-                if n_major
-                else plgpu.load(
-                    entering_ref.at[chunk, h, p_slice, n_slice],
-                    mask=p_ok[:, None] & n_ok[None, :],
-                    other=0.0,
-                )
-                for p_slice, p_ok in pieces
-            ]
-            for h in head_ids
-        ]
-        cum_i = [cum for _, cum, _ in rows_i_per_head]
-
-        def source_terms(cb, per_head, kb, causal):
-            """Σ_j (C_i·B_j) exp(cum_i - cum_j) dt_j x_j over source block kb: per head, per
-            piece, flattened; C_i·B_j (``cb``) is shared by the heads."""
-            terms = []
-            for cum_i_h, (dt_j, cum_j, x_j) in zip(cum_i, per_head, strict=True):
-                seg = cum_i_h[:, None] - cum_j[None, :]
-                if causal:  # mask j > i before exp (exponents > 0 there)
-                    i_pos = mb * block_m + jnp.arange(block_m)
-                    j_pos = kb * block_m + jnp.arange(block_m)
-                    seg = jnp.where(i_pos[:, None] >= j_pos[None, :], seg, -jnp.inf)
-                m = (cb * jnp.exp(seg) * dt_j[None, :]).astype(dot_dtype)
-                terms.extend(_dot(m, x, (1, 0)) for x in x_j)
-            return terms
-
-        # Inter-chunk term exp(cum_i) C_i · state_in, then the diagonal block.
-        inter = [
-            _dot(c_i, s_in, (1, 0) if n_major else (1, 1)) * jnp.exp(cum_i_h)[:, None]
-            for cum_i_h, head_states in zip(cum_i, states_in, strict=True)
-            for s_in in head_states
-        ]
-        # D x_i now, so the target rows' x is dead before the walk over earlier blocks.
-        skip = [
-            d_ref[h] * x.astype(jnp.float32)
-            for h, (_, _, x_i) in zip(head_ids, rows_i_per_head, strict=True)
-            for x in x_i
-        ]
-        accs = [a + b for a, b in zip(inter, skip, strict=True)]
-        if not loop_diag:
-            diag = source_terms(cb_diag, rows_i_per_head, mb, causal=True)
-            accs = [a + b for a, b in zip(accs, diag, strict=True)]
-
-        def source_block(kb, accs):  # earlier blocks need no mask; the diagonal one does
-            b_j, per_head = load_rows(kb)
-            terms = source_terms(gram_block(kb, b_j), per_head, kb, causal=loop_diag)
-            return [acc + term for acc, term in zip(accs, terms, strict=True)]
-
-        accs = lax.fori_loop(0, mb + 1 if loop_diag else mb, source_block, accs)
-        for k, h in enumerate(head_ids):
-            for q, (p_slice, p_ok) in enumerate(pieces):
-                y = accs[k * len(pieces) + q]
-                if z_ref is not None:  # loaded here, where it is used: no registers held
-                    zv = plgpu.load(
-                        z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
-                    ).astype(jnp.float32)
-                    y = y * zv / (1.0 + jnp.exp(-zv))  # silu(z)
-                plgpu.store(
-                    y_ref.at[rows_i, h, p_slice],
-                    y.astype(y_ref.dtype),
-                    mask=i_ok[:, None] & p_ok[None, :],
-                )
-
-
-def _output_head_loop_kernel(
-    d_ref,  # f32[H]
-    lo_ref,  # i32[NC]
-    count_ref,  # i32[NC]
-    x_ref,  # [T, H, P]
-    b_ref,  # [T, G, N]
-    c_ref,  # [T, G, N]
-    dt_ref,  # f32[NC, H, C] processed dt, zero at empty positions
-    cum_ref,  # f32[NC, H, C] cumsum of dt * A
-    entering_ref,  # [NC, H, P, N] state entering each chunk ([NC, H, N, P] if n_major)
+    entering_ref,  # [NC, H, N, P] state entering each chunk
     *rest,
     chunk_size: int,
     head_dim: int,
@@ -525,13 +275,8 @@ def _output_head_loop_kernel(
     heads: int,
     block_m: int,
     block_n: int,
-    n_major: bool,
     has_z: bool,
 ):
-    """The output pass as one program per (heads of a group, block of target rows, chunk)
-    that loads C_i and the chunk's B once, computes C_i·Bᵀ once, then loops over its heads.
-    Every head's step has the same shape (the whole chunk as source rows, masked by position),
-    so the loop's x and state loads are the pipeliner's async copies, issued a head ahead."""
     z_ref = rest[0] if has_z else None
     y_ref = rest[-1]
     hb, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -572,20 +317,12 @@ def _output_head_loop_kernel(
                 x_j = plgpu.load(
                     x_ref.at[rows_j, h, p_slice], mask=j_ok[:, None] & p_ok[None, :], other=0.0
                 )
-                if n_major:
-                    s_in = plgpu.load(
-                        entering_ref.at[chunk, h, n_slice, p_slice],
-                        mask=n_ok[:, None] & p_ok[None, :],
-                        other=0.0,
-                    )
-                    inter = _dot(c_i, s_in, (1, 0))
-                else:
-                    s_in = plgpu.load(
-                        entering_ref.at[chunk, h, p_slice, n_slice],
-                        mask=p_ok[:, None] & n_ok[None, :],
-                        other=0.0,
-                    )
-                    inter = _dot(c_i, s_in, (1, 1))
+                s_in = plgpu.load(
+                    entering_ref.at[chunk, h, n_slice, p_slice],
+                    mask=n_ok[:, None] & p_ok[None, :],
+                    other=0.0,
+                )
+                inter = _dot(c_i, s_in, (1, 0))
                 x_i = plgpu.load(
                     x_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
                 )
@@ -648,7 +385,6 @@ def ssd_varlen_gpu(
         ("state_block_p", bs.state_block_p),
         ("state_block_n", bs.state_block_n),
         ("out_block_m", bs.out_block_m),
-        ("state_heads", bs.state_heads),
         ("out_heads", bs.out_heads),
     ):
         if value != _pow2(value):
@@ -665,8 +401,7 @@ def ssd_varlen_gpu(
     f32 = jnp.float32
     block_n = _pow2(state_size)
     heads_per_group = num_heads // num_groups
-    # Heads per program: powers of two, so gcd is the largest that divides the group.
-    state_heads = math.gcd(bs.state_heads, heads_per_group)
+    # Heads per output program: a power of two, so gcd is the largest that divides the group.
     out_heads = math.gcd(bs.out_heads, heads_per_group)
 
     # Pass 0: dt processing and its per-chunk cumsum, every (head, chunk) at once.
@@ -712,7 +447,6 @@ def ssd_varlen_gpu(
     if initial_states is not None:
         state_operands.append(initial_states)
     state_shape = (num_heads, head_dim, state_size)
-    entering_shape = (num_heads, state_size, head_dim) if bs.state_n_major else state_shape
     entering, final_states, tracked = pl.pallas_call(
         functools.partial(
             _state_kernel,
@@ -720,22 +454,20 @@ def ssd_varlen_gpu(
             head_dim=head_dim,
             state_size=state_size,
             heads_per_group=heads_per_group,
-            heads=state_heads,
             block_p=block_p,
             block_n=state_block_n,
             p_pieces=p_pieces,
-            n_major=bs.state_n_major,
             has_init=initial_states is not None,
             prefetch=bs.state_prefetch,
         ),
         grid=(
-            num_heads // state_heads,
+            num_heads,
             pl.cdiv(head_dim, block_p),
             pl.cdiv(state_size, state_block_n),
             num_seqs,
         ),
         out_shape=(
-            jax.ShapeDtypeStruct((nc, *entering_shape), x.dtype),
+            jax.ShapeDtypeStruct((nc, num_heads, state_size, head_dim), x.dtype),
             jax.ShapeDtypeStruct((num_seqs, *state_shape), state_dtype),
             jax.ShapeDtypeStruct((meta.num_slots, *state_shape), state_dtype),
         ),
@@ -744,25 +476,8 @@ def ssd_varlen_gpu(
         name="ssd_varlen_gpu_states",
     )(*state_operands)
 
-    # Pass 2: every (heads, row block, chunk) independently.
-    # (``out_loop_heads``: every (group slice, row block, chunk), looping over its heads.)
+    # Pass 2: every (heads of a group, row block, chunk) independently, looping over its heads.
     block_m = min(bs.out_block_m, chunk_size)
-    gram = None
-    if bs.out_gram and not bs.out_loop_heads:  # C·Bᵀ once per (group, row block, chunk)
-        gram = pl.pallas_call(
-            functools.partial(
-                _gram_kernel,
-                chunk_size=chunk_size,
-                state_size=state_size,
-                block_m=block_m,
-                block_n=block_n,
-            ),
-            grid=(num_groups, chunk_size // block_m, nc),
-            out_shape=jax.ShapeDtypeStruct((nc, num_groups, chunk_size, chunk_size), x.dtype),
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-            interpret=interpret,
-            name="ssd_varlen_gpu_gram",
-        )(meta.token_lo, meta.token_count, B, C)
     out_operands = [
         jnp.zeros((num_heads,), f32) if D is None else D.astype(f32),
         meta.token_lo,
@@ -774,32 +489,19 @@ def ssd_varlen_gpu(
         cum_chunks,
         entering,
     ]
-    if gram is not None:
-        out_operands.append(gram)
     if z is not None:
         out_operands.append(z)
-    if bs.out_loop_heads:  # heads of a group walked in one program, C·Bᵀ computed once
-        out_heads = math.gcd(bs.out_loop_heads, heads_per_group)
-        out_kernel = functools.partial(
-            _output_head_loop_kernel, chunk_size=chunk_size, has_z=z is not None
-        )
-    else:
-        out_kernel = functools.partial(
-            _output_kernel,
-            loop_diag=bs.out_loop_diag,
-            has_gram=gram is not None,
-            has_z=z is not None,
-        )
     y = pl.pallas_call(
         functools.partial(
-            out_kernel,
+            _output_kernel,
+            chunk_size=chunk_size,
             head_dim=head_dim,
             state_size=state_size,
             heads_per_group=heads_per_group,
             heads=out_heads,
             block_m=block_m,
             block_n=block_n,
-            n_major=bs.state_n_major,
+            has_z=z is not None,
         ),
         grid=(num_heads // out_heads, chunk_size // block_m, nc),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -26,63 +26,17 @@ KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim and state slices in the state pass (the last state slice partly
-    # masked when N is 12), several row blocks per chunk in the output pass (the causal walk);
-    # the state pass loading each chunk's factors one step ahead; the output pass looping over
-    # 2 heads a program.
+    # masked when N is 12), each chunk's factors loaded in its own step; several row blocks
+    # per chunk and 2 heads per output program.
     "gpu_blocks": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
         block_sizes=BlockSizes(
-            state_block_p=4,
-            state_block_n=8,
-            out_block_m=4,
-            state_prefetch=True,
-            out_loop_heads=2,
-        ),
-    ),
-    # The N-major state pass with the whole head dim a program (64 + 16 pieces at P 80), and
-    # the output pass looping over every head of a group (1-4 here).
-    "gpu_loop": functools.partial(
-        ssd_varlen_gpu,
-        interpret=True,
-        block_sizes=BlockSizes(
-            state_block_p=128, state_n_major=True, out_block_m=4, out_loop_heads=16
-        ),
-    ),
-    # Heads of a group sharing one program: B's tile in the state pass, C, B and C·Bᵀ in the
-    # output pass (4 asked; each case gets the largest power of two dividing its group: 1-4),
-    # the factors of every head prefetched; states carried N-major; the diagonal block walked
-    # as the loop's last source block.
-    "gpu_heads": functools.partial(
-        ssd_varlen_gpu,
-        interpret=True,
-        block_sizes=BlockSizes(
-            state_block_p=4,
-            state_block_n=8,
-            state_heads=4,
-            state_prefetch=True,
-            state_n_major=True,
-            out_block_m=4,
-            out_heads=4,
-            out_loop_diag=True,
-        ),
-    ),
-    # C·Bᵀ from the pre-pass, read by two heads per output program, several row blocks; the
-    # whole head dim in one state-pass program (80 = 64 + 16 pieces), carried N-major.
-    "gpu_gram": functools.partial(
-        ssd_varlen_gpu,
-        interpret=True,
-        block_sizes=BlockSizes(
-            state_heads=16,
-            state_block_p=128,
-            state_n_major=True,
-            out_block_m=4,
-            out_heads=2,
-            out_gram=True,
+            state_block_p=4, state_block_n=8, state_prefetch=False, out_block_m=4, out_heads=2
         ),
     ),
 }
-GPU_VARIANTS = ["gpu", "gpu_blocks", "gpu_heads", "gpu_gram", "gpu_loop"]
+GPU_VARIANTS = ["gpu", "gpu_blocks"]
 
 
 def _call(kernel, inp, cu, *, chunk_size=CHUNK, init=None, starts=None, **kwargs):
@@ -122,14 +76,7 @@ CASES = {
 
 
 @pytest.mark.parametrize(
-    "kernel, case",
-    [
-        (kernel, case)
-        for kernel in ["tpu", *GPU_VARIANTS]
-        for case in CASES
-        # gpu_heads equals gpu_blocks where every group has one head
-        if not (kernel == "gpu_heads" and CASES[case][1] == CASES[case][3])
-    ],
+    "kernel, case", [(kernel, case) for kernel in ["tpu", *GPU_VARIANTS] for case in CASES]
 )
 def test_kernel_matches_recurrence_over_odd_lengths(kernel, case):
     dtype, heads, head_dim, groups, state, with_initial, unaligned = CASES[case]
@@ -165,7 +112,7 @@ def test_kernel_matches_reference_with_state_chunks(kernel):
     np.testing.assert_array_equal(final[2], inp["init"][2])  # empty sequence keeps its state
 
 
-@pytest.mark.parametrize("kernel", ["gpu", "gpu_gram"])  # gpu_gram: heads sharing both passes
+@pytest.mark.parametrize("kernel", GPU_VARIANTS)
 def test_gpu_kernel_keeps_initial_states_of_an_all_empty_batch(kernel):
     rng = np.random.default_rng(22)
     lengths = [0, 0, 0]
@@ -193,17 +140,14 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
         ssd_varlen(*args, **kwargs, return_chunk_states=True, state_chunks=cu[:2])
 
 
-# The shared-group GPU variants, lowered to Triton on CPU: 4 heads per group here, so 4 heads
-# per state-pass program (N-major states), 2 per output-pass program, plus the C·Bᵀ pre-pass
-# (a 4th kernel).
-SHARED = BlockSizes(
-    state_heads=8, state_prefetch=True, state_n_major=True, out_heads=2, out_gram=True
-)
+# A P-block state pass (16 head-dim rows a program, one chunk's factors a step) and one head
+# an output program, lowered to Triton on CPU beside the defaults.
+P_BLOCKS = BlockSizes(state_block_p=16, state_prefetch=False, out_heads=1)
 
 
 @pytest.mark.parametrize(
     "platform, block_sizes, triton_calls",
-    [("tpu", None, 0), ("cuda", None, 3), ("cuda", SHARED, 4)],
+    [("tpu", None, 0), ("cuda", None, 3), ("cuda", P_BLOCKS, 3)],
 )
 def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform, block_sizes, triton_calls):
     """Nemotron-Nano mixer shapes (P 80, N 128, chunk 128), bf16, initial and tracked states."""
