@@ -26,11 +26,12 @@ register layout, 64-row tiles, so P = 80 forces per-row factors precomputed in X
 traffic and one more launch a step). Measured on the H200 (2026-11-29,
 ``scripts/bench_kernels.py --sweep``, one program of back-to-back steps, µs a step): batch 1
 21.8 vs 18.6 (Triton, same timing), batch 8 56.9 vs 52.9, batch 32 147.4 vs 115.2: Mosaic
-GPU is 28 % slower at batch 32 and no faster at 1 and 8 (there the wall time is mostly
-launches), so dispatch keeps the Triton kernel. Inside a busy program (the way
-the engine's decode step runs it) the Triton kernel takes 5.2 / 24.8 / 697 µs at batch
-1 / 8 / 256, SGLang's in its CUDA graph 5.3 / 24.1 / 691 µs; 697 µs is 90 % of the
-4.3 TB/s roofline.
+GPU is 28 % slower at batch 32, no faster at 1 and 8 (there the wall time is mostly
+launches) and 1.3x slower at batch 256 (963 µs against 740-771 µs for the Triton tiles, a
+later sweep), so dispatch keeps the Triton kernel. Inside a busy program (the way the
+engine's decode step runs it) the Triton kernel takes 5.2 / 24.5 / 88.7 / 688 µs at batch
+1 / 8 / 32 / 256, SGLang's in its CUDA graph 5.2 / 23.8 / 88.3 / 689 µs; 688 µs is 91 % of
+the 4.3 TB/s roofline (docs/benchmarks.md, fourth session).
 """
 
 from __future__ import annotations

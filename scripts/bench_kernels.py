@@ -1,4 +1,5 @@
-"""Benchmark the decode state update and the causal conv kernels on one GPU.
+"""Benchmark the Mamba kernels on one GPU: decode state update, causal conv (prefill and
+decode update) and the SSD prefill scan (the cases of ``scripts/bench_ssd.py``), in one run.
 
 Nemotron-Nano-9B-v2 Mamba shapes (H 128, P 80, G 8, N 128, conv_dim 12288, K 4), bf16
 activations, fp32 SSM state, bf16 conv state. Per case: our Pallas kernel, the XLA reference
@@ -26,17 +27,19 @@ behind a ~5 ms matmul they wait on, their span read from a ``jax.profiler`` trac
 span is what the issue's "time small batches the way each engine runs them" compares with
 SGLang's graph replay.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD/.sgl:$PWD \
-        python3 scripts/bench_kernels.py --reps 10 --sweep --scan
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD/.sgl_ssd:$PWD \
+        python3 scripts/bench_kernels.py --reps 10 [--sweep] [--scan]
 
 ``--sweep`` adds the block-size variants of the Triton kernels and the Mosaic GPU state
 update (``kernels/state_update_mosaic_gpu.py``); a variant that fails to compile or
 mismatches the reference is reported and skipped.
 
-SGLang's files are not part of this repo: unpack ``sglang/kernels/ops/mamba/triton_ops/
-mamba_ssm.py`` and ``sglang/kernels/ops/mamba/causal_conv1d_triton.py`` from the
-``sglang==0.5.23`` wheel into an ignored folder (with empty package ``__init__``s and a shim
-for ``sglang.kernels.jit.utils.is_arch_support_pdl``) and put it on ``PYTHONPATH``.
+SGLang's files are not part of this repo: unpack ``sglang/kernels/ops/mamba/triton_ops/``
+(``mamba_ssm.py`` and the ``ssd_*.py`` chunked-scan chain) and
+``sglang/kernels/ops/mamba/causal_conv1d_triton.py`` from the ``sglang==0.5.23`` wheel into an
+ignored folder (with package ``__init__``s that import only those, and a shim for
+``sglang.kernels.jit.utils.is_arch_support_pdl``) and put it on ``PYTHONPATH``. Without the
+SSD chain the SSD cases time ours and XLA only.
 """
 
 from __future__ import annotations

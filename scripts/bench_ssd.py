@@ -21,35 +21,12 @@ Timing: ours and the XLA reference as the median over samples of 10 back-to-back
 `triton.testing.do_bench` (median). "state pass" is the same call returning only the final
 states, so XLA drops the output pass.
 
-Measured 2026-11-29, H200, jax 0.11.2, from the repository root of the device copy:
-`PYTHONPATH=.sgl_ssd python3 scripts/bench_ssd.py --sglang .sgl_ssd --sweep` (the sweep picked
-state pass P block 16 / 4 warps / 3 stages, output pass block_m 64 / 4 warps / 2 stages, now the
-defaults; y, final and tracked states within 2.6e-3 relative of the reference on every case):
-
-| case | ours ms | state pass | XLA ref ms | SGLang ms | ours/SGLang | roofline ms | % roof |
-|---|---|---|---|---|---|---|---|
-| 1x8192 | 0.969 | 0.528 | 3.169 | 0.930 | 1.04 | 0.088 | 9 % |
-| 1x16384 | 1.866 | 1.003 | 5.829 | 1.848 | 1.01 | 0.174 | 9 % |
-| 8x2048 init | 1.826 | 0.908 | 6.601 | 2.188 | 0.83 | 0.192 | 11 % |
-| 64x256 init | 2.376 | 1.079 | 11.241 | 2.519 | 0.94 | 0.329 | 14 % |
-| ragged init | 0.986 | 0.506 | 3.872 | 1.164 | 0.85 | 0.105 | 11 % |
-
-2.6-2.9x faster than the fused serial kernel before it (2.73 / 5.01 / 4.87 / 5.39 / 2.75 ms),
-level with SGLang on single sequences and 6-17 % faster on batches. The target, at most half
-SGLang's time (0.465 / 0.924 / 1.094 / 1.260 / 0.582 ms), is missed on every case, by 1.7-2.1x.
-Why: both passes are far from their floors. The state pass (~half the time) scales with the
-total number of (program, chunk) steps across cases, not with the longest chain, so it is
-bound by per-step overhead (dt softplus, a scan and reductions, layout conversions, B
-reloaded by 80 programs per chunk) at ~2 resident programs per SM; the output pass runs at
-~140 TFLOP/s and ~1.2 TB/s, exposing several memory latencies per program. See
-docs/ssd_gpu_notes.md for the sweep and the versions after it.
-
-The kernel is now that next version ("v2", measured in docs/benchmarks.md). The sweep also
-times the shared-group variants: state pass with 2-16 heads of a group per program sharing
-B's tile (`state_heads`), output pass with C·Bᵀ from a pre-pass (`out_gram`) or shared by
-2-4 heads per program (`out_heads`). Measured 2026-11-29 (docs/benchmarks.md): no state-pass
-variant beat one head a program; 2 heads an output-pass program was the fastest by ~4 %
-and is now the default.
+Results, with the exact commands, are in docs/benchmarks.md; the kernel's versions and why
+each replaced the last are in docs/ssd_gpu_notes.md. Latest (fourth session, 2026-11-29,
+H200, jax 0.11.2; kernel v3, the defaults): 1x8192 0.555 ms against SGLang's 0.968 ms,
+1x16384 1.049 / 1.848, 8x2048 init 1.050 / 2.176, 64x256 init 1.620 / 2.529, ragged init
+0.562 / 1.166; y and states within 2.6e-3 relative of the reference. ``--sweep`` times the
+block-size variants listed in ``sweep()`` first and runs the cases with the best of them.
 """
 
 from __future__ import annotations
