@@ -296,7 +296,8 @@ def _output_kernel(
         target = pl.ds(mb * block_m, block_m)
         rows_i, rows_j = pl.ds(lo + mb * block_m, block_m), pl.ds(lo, chunk_size)
         i_pos, j_pos = mb * block_m + jnp.arange(block_m), jnp.arange(chunk_size)
-        i_ok, j_ok = i_pos < count, j_pos < count
+        # Source rows past the target block carry zero weight (causal): not loaded at all.
+        i_ok, j_ok = i_pos < count, j_pos < jnp.minimum(count, (mb + 1) * block_m)
         causal = i_pos[:, None] >= j_pos[None, :]
         c_i = plgpu.load(
             c_ref.at[rows_i, g, n_slice], mask=i_ok[:, None] & n_ok[None, :], other=0.0
