@@ -71,6 +71,12 @@ class BlockSizes:
     # the decay and the flag in the step that uses them (offline, Triton 3.6, sm_90a): two
     # load latencies a step on the serial chain.
     state_prefetch: bool = True
+    # Compute the next chunk's Bᵀ·(x∘w) (and load its factors) in the step before it, carried
+    # in the loop: the matmul leaves the serial chain, which keeps only the state update and
+    # the stores. For 1x8192 the pass is one wave of 2 programs an SM, latency-bound (Nsight
+    # Compute: 24 % issue slots busy), so independent work a step is what it lacks. Costs the
+    # carried update's registers. Supersedes ``state_prefetch``. Not timed yet.
+    state_update_ahead: bool = False
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
@@ -164,6 +170,7 @@ def _state_kernel(
     p_pieces: tuple[tuple[int, int], ...],
     has_init: bool,
     prefetch: bool,
+    update_ahead: bool,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
@@ -193,38 +200,36 @@ def _state_kernel(
         decay = jnp.exp(cum_ref[chunk, h, chunk_size - 1])
         return weight_ref[chunk, h, :], decay, track_ref[chunk]
 
-    def step(j, carry):
-        states, factors = carry if prefetch else (carry, None)
-        # Chunk j's tokens from per-sequence scalars alone, so every address of the step is
-        # known without a load: only the first chunk can be partial at its start.
-        chunk = first + j
+    def chunk_loads(j):
+        """B's and x's tiles of the sequence's chunk j. Its tokens follow from per-sequence
+        scalars alone, so every address is known without a load: only the first chunk can be
+        partial at its start."""
         offset = jnp.where(j == 0, 0, first_count + (j - 1) * chunk_size)
         rows = pl.ds(start + offset, chunk_size)
         t_ok = pos < length - offset
-        # Every load of the step first.
         b = plgpu.load(b_ref.at[rows, g, n_slice], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
         xs = [
             plgpu.load(x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
             for p_slice, p_ok in pieces
         ]
-        if prefetch:  # this chunk's factors came with the carry; load the next one's
-            (weight, decay, tracked), factors = (
-                factors,
-                chunk_factors(first + jnp.minimum(j + 1, seq_chunks - 1)),
-            )
-        else:
-            weight, decay, tracked = chunk_factors(chunk)
-        b = b.astype(x_ref.dtype)
+        return b.astype(x_ref.dtype), xs
 
+    def contribution(b, x, weight):
+        """Bᵀ [N, C] · (x ∘ weight) [C, P piece]: what the chunk adds to one state piece."""
+        xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)
+        return _dot(b, xw, (0, 0))
+
+    def advance(chunk, states, update, decay, tracked):
+        """Store the states entering ``chunk``, step them over it (``update(q)``: the chunk's
+        contribution to piece q), store the tracked ones."""
         new_states = []
-        for x, state, (p_slice, p_ok) in zip(xs, states, pieces, strict=True):
+        for q, (state, (p_slice, p_ok)) in enumerate(zip(states, pieces, strict=True)):
             plgpu.store(
                 entering_ref.at[chunk, h, n_slice, p_slice],
                 state.astype(entering_ref.dtype),
                 mask=n_ok[:, None] & p_ok[None, :],
             )
-            xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)  # [C, P piece]
-            new_states.append(decay * state + _dot(b, xw, (0, 0)))  # Bᵀ [N, C] · xw [C, P]
+            new_states.append(decay * state + update(q))
 
         @pl.when(tracked != 0)
         def _():
@@ -236,7 +241,33 @@ def _state_kernel(
                     mask=pn_mask(p_ok),
                 )
 
-        return (tuple(new_states), factors) if prefetch else tuple(new_states)
+        return tuple(new_states)
+
+    def chunk_update(j):
+        """Everything chunk j brings, computed before the state reaches it."""
+        b, xs = chunk_loads(j)
+        weight, decay, tracked = chunk_factors(first + j)
+        return tuple(contribution(b, x, weight) for x in xs), decay, tracked
+
+    def step(j, carry):
+        if update_ahead:  # chunk j's update came with the carry; compute the next one's
+            states, (updates, decay, tracked) = carry
+            upcoming = chunk_update(jnp.minimum(j + 1, seq_chunks - 1))
+            return advance(first + j, states, updates.__getitem__, decay, tracked), upcoming
+        states, factors = carry if prefetch else (carry, None)
+        b, xs = chunk_loads(j)
+        if prefetch:  # this chunk's factors came with the carry; load the next one's
+            (weight, decay, tracked), factors = (
+                factors,
+                chunk_factors(first + jnp.minimum(j + 1, seq_chunks - 1)),
+            )
+        else:
+            weight, decay, tracked = chunk_factors(first + j)
+        # Each piece's contribution computed right after its entering store, as timed.
+        states = advance(
+            first + j, states, lambda q: contribution(b, xs[q], weight), decay, tracked
+        )
+        return (states, factors) if prefetch else states
 
     def initial_state(p_slice, p_ok):
         if init_ref is None:
@@ -245,7 +276,11 @@ def _state_kernel(
         return state.astype(jnp.float32).T
 
     states = tuple(initial_state(p_slice, p_ok) for p_slice, p_ok in pieces)
-    if prefetch:  # ``first`` is a real chunk even for an empty sequence (build_chunk_layout)
+    # ``first`` is a real chunk even for an empty sequence (build_chunk_layout), so the
+    # look-ahead before the loop reads in bounds.
+    if update_ahead:
+        states, _ = lax.fori_loop(0, seq_chunks, step, (states, chunk_update(0)))
+    elif prefetch:
         states, _ = lax.fori_loop(0, seq_chunks, step, (states, chunk_factors(first)))
     else:
         states = lax.fori_loop(0, seq_chunks, step, states)
@@ -460,6 +495,7 @@ def ssd_varlen_gpu(
             p_pieces=p_pieces,
             has_init=initial_states is not None,
             prefetch=bs.state_prefetch,
+            update_ahead=bs.state_update_ahead,
         ),
         grid=(
             num_heads,

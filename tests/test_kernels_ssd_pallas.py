@@ -26,13 +26,17 @@ KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim and state slices in the state pass (the last state slice partly
-    # masked when N is 12), each chunk's factors loaded in its own step; several row blocks
-    # per chunk and 2 heads per output program.
+    # masked when N is 12), each chunk's update computed a step ahead; several row blocks per
+    # chunk and 2 heads per output program.
     "gpu_blocks": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
         block_sizes=BlockSizes(
-            state_block_p=4, state_block_n=8, state_prefetch=False, out_block_m=4, out_heads=2
+            state_block_p=4,
+            state_block_n=8,
+            state_update_ahead=True,
+            out_block_m=4,
+            out_heads=2,
         ),
     ),
 }
