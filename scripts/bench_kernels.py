@@ -152,7 +152,7 @@ def decode_program(op, steps: int):
     return jax.jit(run, donate_argnums=0)
 
 
-def busy_program(op, steps: int):
+def busy_program(op):
     """``decode_program`` behind a lead-in on which step 0 depends: one bf16 matmul (one
     kernel, ~5 ms on the H200). While the GPU runs it the host enqueues every step, as in the
     engine's decode step, where the GPU is busy for 95 % of a batch-1 step; the steps' span on
@@ -181,7 +181,7 @@ def in_program_time(op, pools, inputs, steps: int) -> tuple[float, float, float]
 
     from jaxmamba.bench import device_kernel_events, load_trace_events, steps_after_lead_in
 
-    fn = busy_program(op, steps)
+    fn = busy_program(op)
     lead_a = jax.random.normal(jax.random.key(1), (8192, 8192), ACT)
     lead_b = jax.random.normal(jax.random.key(2), (8192, 32768), ACT)  # 4.4 TFLOP
     pool = pools.fresh()
@@ -644,9 +644,9 @@ def conv_update_variants(smoke: bool):
     }
 
 
-def bench_ssd(names: list[str]):
-    """SSD prefill cases of ``scripts/bench_ssd.py`` (which see), timed in this run: ours
-    checked against the reference first, SGLang's chunked-scan chain with
+def bench_ssd(names: list[str] | None):
+    """SSD prefill cases of ``scripts/bench_ssd.py`` (which see; None: all of them), timed in
+    this run: ours checked against the reference first, SGLang's chunked-scan chain with
     ``triton.testing.do_bench``."""
     import bench_ssd as ssd  # scripts/ is this script's folder, first on sys.path
 
@@ -659,7 +659,7 @@ def bench_ssd(names: list[str]):
             sgl = triton.testing
         except ImportError as e:
             print(f"SGLang's SSD chain not importable ({e}); timing ours and XLA only")
-    for name in names:
+    for name in names or ssd.CASES:
         r = ssd.measure_case(name, sgl)
         print(f"  ssd {name}: state pass alone {r['states']:.3f} ms")
         report(
@@ -680,8 +680,8 @@ def main():
     )
     parser.add_argument(
         "--ssd-cases",
-        default="1x8192,1x16384,8x2048 init,64x256 init,ragged init",
-        help="SSD prefill cases (scripts/bench_ssd.py's names, comma-separated)",
+        default=None,
+        help="SSD prefill cases (scripts/bench_ssd.py's names, comma-separated; default all)",
     )
     parser.add_argument("--smoke", action="store_true", help="toy shapes, interpret mode")
     parser.add_argument(
@@ -719,7 +719,7 @@ def main():
             steps = 2 if args.smoke else steps
             bench_conv_update(rows, steps, args.reps, rng, variants, args.scan)
     if "ssd" in cases and not args.smoke:  # full shapes only
-        bench_ssd(args.ssd_cases.split(","))
+        bench_ssd(args.ssd_cases.split(",") if args.ssd_cases else None)
     pending = [row for row in ROWS if row["in_program"]]
     if pending:
         print("\nDecode steps inside a busy program (the way the engine's decode step runs them):")
