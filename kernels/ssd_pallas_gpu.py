@@ -66,17 +66,16 @@ class BlockSizes:
     state_block_n: int = 64  # state rows per state-pass program (power of two)
     state_warps: int = 4
     state_stages: int = 2
-    # Load the next chunk's decay and tracking flag (and position weights) one step ahead,
-    # carried in the loop. Otherwise the pipeliner prefetches x, B and the weights but loads
-    # the decay and the flag in the step that uses them (offline, Triton 3.6, sm_90a): two
-    # load latencies a step on the serial chain.
-    state_prefetch: bool = True
-    # Compute the next chunk's Bᵀ·(x∘w) (and load its factors) in the step before it, carried
-    # in the loop: the matmul leaves the serial chain, which keeps only the state update and
-    # the stores. For 1x8192 the pass is one wave of 2 programs an SM, latency-bound (Nsight
-    # Compute: 24 % issue slots busy), so independent work a step is what it lacks. Costs the
-    # carried update's registers. Supersedes ``state_prefetch``. Not timed yet.
-    state_update_ahead: bool = False
+    # What of the next chunk the state pass's step prepares, carried in the loop:
+    # * "none": nothing. The pipeliner prefetches x, B and the weights but loads the decay
+    #   and the tracking flag in the step that uses them (offline, Triton 3.6, sm_90a): two
+    #   load latencies a step on the serial chain.
+    # * "factors": its decay, tracking flag and position weights (the timed default).
+    # * "update": its whole Bᵀ·(x∘w) as well, so the matmul leaves the serial chain, which
+    #   keeps only the state update and the stores. For 1x8192 the pass is one wave of 2
+    #   programs an SM, latency-bound (Nsight Compute: 24 % issue slots busy), so independent
+    #   work a step is what it lacks. Costs the carried update's registers. Not timed yet.
+    state_lookahead: str = "factors"
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
@@ -169,8 +168,7 @@ def _state_kernel(
     block_n: int,
     p_pieces: tuple[tuple[int, int], ...],
     has_init: bool,
-    prefetch: bool,
-    update_ahead: bool,
+    lookahead: str,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
@@ -250,24 +248,22 @@ def _state_kernel(
         return tuple(contribution(b, x, weight) for x in xs), decay, tracked
 
     def step(j, carry):
-        if update_ahead:  # chunk j's update came with the carry; compute the next one's
-            states, (updates, decay, tracked) = carry
-            upcoming = chunk_update(jnp.minimum(j + 1, seq_chunks - 1))
-            return advance(first + j, states, updates.__getitem__, decay, tracked), upcoming
-        states, factors = carry if prefetch else (carry, None)
+        states, ahead = carry  # ``ahead``: what the previous step prepared of chunk j
+        following = jnp.minimum(j + 1, seq_chunks - 1)
+        if lookahead == "update":
+            updates, decay, tracked = ahead
+            states = advance(first + j, states, updates.__getitem__, decay, tracked)
+            return states, chunk_update(following)
         b, xs = chunk_loads(j)
-        if prefetch:  # this chunk's factors came with the carry; load the next one's
-            (weight, decay, tracked), factors = (
-                factors,
-                chunk_factors(first + jnp.minimum(j + 1, seq_chunks - 1)),
-            )
+        if lookahead == "factors":
+            (weight, decay, tracked), ahead = ahead, chunk_factors(first + following)
         else:
             weight, decay, tracked = chunk_factors(first + j)
         # Each piece's contribution computed right after its entering store, as timed.
         states = advance(
             first + j, states, lambda q: contribution(b, xs[q], weight), decay, tracked
         )
-        return (states, factors) if prefetch else states
+        return states, ahead
 
     def initial_state(p_slice, p_ok):
         if init_ref is None:
@@ -278,12 +274,9 @@ def _state_kernel(
     states = tuple(initial_state(p_slice, p_ok) for p_slice, p_ok in pieces)
     # ``first`` is a real chunk even for an empty sequence (build_chunk_layout), so the
     # look-ahead before the loop reads in bounds.
-    if update_ahead:
-        states, _ = lax.fori_loop(0, seq_chunks, step, (states, chunk_update(0)))
-    elif prefetch:
-        states, _ = lax.fori_loop(0, seq_chunks, step, (states, chunk_factors(first)))
-    else:
-        states = lax.fori_loop(0, seq_chunks, step, states)
+    ahead = {"update": chunk_update, "factors": lambda j: chunk_factors(first + j)}
+    ahead = ahead[lookahead](0) if lookahead in ahead else ()
+    states, _ = lax.fori_loop(0, seq_chunks, step, (states, ahead))
     for state, (p_slice, p_ok) in zip(states, pieces, strict=True):
         plgpu.store(
             final_ref.at[s, h, p_slice, n_slice],
@@ -425,6 +418,10 @@ def ssd_varlen_gpu(
     ):
         if value != _pow2(value):
             raise ValueError(f"Triton SSD kernels need a power-of-two {name}, got {value}")
+    if bs.state_lookahead not in ("none", "factors", "update"):
+        raise ValueError(
+            f"state_lookahead must be 'none', 'factors' or 'update', got {bs.state_lookahead!r}"
+        )
     state_dtype = jnp.float32 if initial_states is None else initial_states.dtype
     if layout is None:
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)
@@ -494,8 +491,7 @@ def ssd_varlen_gpu(
             block_n=state_block_n,
             p_pieces=p_pieces,
             has_init=initial_states is not None,
-            prefetch=bs.state_prefetch,
-            update_ahead=bs.state_update_ahead,
+            lookahead=bs.state_lookahead,
         ),
         grid=(
             num_heads,

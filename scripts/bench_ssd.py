@@ -180,10 +180,10 @@ def sweep():
     # docs/ssd_gpu_notes.md.
     state_variants = [
         dict(),  # N-major, whole head dim, N block 64, prefetch: the fourth session's best
-        dict(state_prefetch=False),
+        dict(state_lookahead="none"),
         # The next chunk's Bᵀ·(x∘w) computed a step ahead, off the serial chain.
-        dict(state_update_ahead=True),
-        dict(state_update_ahead=True, state_warps=8),
+        dict(state_lookahead="update"),
+        dict(state_lookahead="update", state_warps=8),
         dict(state_stages=3),
         dict(state_block_n=128, state_warps=8),
         dict(state_block_p=16, state_block_n=128),

@@ -9,7 +9,7 @@ runs XLA's own Triton, so the counts are a close proxy, not the device's exact n
     python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel conv \\
         "variant='tile', tokens=4, channels=1024, warps=4" "variant='rows'"
     python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel ssd \\
-        "" "state_prefetch=True"
+        "" "state_lookahead='update'"
 
 Each argument is the kernel's block-size fields (``ConvVarlenBlockSizes`` without the
 ``gpu_`` prefix, ``ssd_pallas_gpu.BlockSizes``, ``state_update_pallas.GpuBlockSizes``); an

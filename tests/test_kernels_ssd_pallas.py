@@ -34,7 +34,7 @@ KERNELS = {
         block_sizes=BlockSizes(
             state_block_p=4,
             state_block_n=8,
-            state_update_ahead=True,
+            state_lookahead="update",
             out_block_m=4,
             out_heads=2,
         ),
@@ -146,7 +146,7 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
 
 # A P-block state pass (16 head-dim rows a program, one chunk's factors a step) and one head
 # an output program, lowered to Triton on CPU beside the defaults.
-P_BLOCKS = BlockSizes(state_block_p=16, state_prefetch=False, out_heads=1)
+P_BLOCKS = BlockSizes(state_block_p=16, state_lookahead="none", out_heads=1)
 
 
 @pytest.mark.parametrize(
