@@ -76,6 +76,14 @@ class ChunkMeta(NamedTuple):
     num_slots: int  # static rows of the tracked-states output
 
 
+def chunk_tokens(layout: ChunkLayout, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(first packed token, number of tokens), i32[NC] each, of every chunk."""
+    idx = layout.token_index  # [NC, C]
+    token_lo = jnp.min(idx, axis=1).astype(jnp.int32)
+    token_count = jnp.sum(idx < num_tokens, axis=1, dtype=jnp.int32)
+    return token_lo, token_count
+
+
 def chunk_meta(
     layout: ChunkLayout,
     num_tokens: int,
@@ -83,10 +91,8 @@ def chunk_meta(
     all_chunks: bool,
 ) -> ChunkMeta:
     """Token range of every chunk and where each requested chunk state goes."""
-    idx = layout.token_index  # [NC, C]
-    nc = idx.shape[0]
-    token_lo = jnp.min(idx, axis=1).astype(jnp.int32)
-    token_count = jnp.sum(idx < num_tokens, axis=1, dtype=jnp.int32)
+    nc = layout.token_index.shape[0]
+    token_lo, token_count = chunk_tokens(layout, num_tokens)
     if all_chunks:
         track = jnp.ones((nc,), jnp.int32)
         num_slots = nc
@@ -111,3 +117,37 @@ def gather_tracked(
     if state_chunks is None:
         return None
     return states[meta.slot[state_chunks]]
+
+
+class TrackedRequests(NamedTuple):
+    """Which rows of the tracked-states output each chunk's end state fills: chunk ``c`` fills
+    rows ``order[lo[c]:hi[c]]``, so a kernel writes every requested state straight into its
+    row (duplicates included) and no gather copies them afterwards."""
+
+    lo: jax.Array  # i32[NC]
+    hi: jax.Array  # i32[NC]
+    order: jax.Array  # i32[max(K, 1)] output rows sorted by their chunk
+    num_rows: int  # K: rows of the tracked-states output
+
+
+def tracked_requests(
+    num_chunks: int, state_chunks: jax.Array | None, all_chunks: bool
+) -> TrackedRequests:
+    """The requests of ``state_chunks`` (``return_chunk_states``: every chunk) by chunk.
+
+    A requested chunk index is read as ``chunk_states[state_chunks]`` reads it: negative
+    indices count from the end, and out-of-range ones are clamped.
+    """
+    chunks = jnp.arange(num_chunks, dtype=jnp.int32)
+    if all_chunks:
+        return TrackedRequests(chunks, chunks + 1, chunks, num_chunks)
+    if state_chunks is None or state_chunks.shape[0] == 0:
+        none = jnp.zeros((num_chunks,), jnp.int32)
+        return TrackedRequests(none, none, jnp.zeros((1,), jnp.int32), 0)
+    wanted = state_chunks.astype(jnp.int32)
+    wanted = jnp.clip(jnp.where(wanted < 0, wanted + num_chunks, wanted), 0, num_chunks - 1)
+    order = jnp.argsort(wanted, stable=True).astype(jnp.int32)
+    by_chunk = wanted[order]
+    lo = jnp.searchsorted(by_chunk, chunks, side="left", method="compare_all")
+    hi = jnp.searchsorted(by_chunk, chunks, side="right", method="compare_all")
+    return TrackedRequests(lo.astype(jnp.int32), hi.astype(jnp.int32), order, state_chunks.shape[0])

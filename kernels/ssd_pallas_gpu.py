@@ -11,7 +11,8 @@
    step follows from per-sequence scalars, so nothing in the chain waits on a load of
    metadata. It writes each chunk's *entering* state (``[NC, H, N, P]`` in the dot dtype:
    the output pass feeds it to a matmul anyway), the final states and the requested chunk
-   states (``[., H, P, N]``, state dtype).
+   states (``[., H, P, N]``, state dtype), each straight into every output row that asks for
+   it (``ssd_pallas.tracked_requests``): no gather copies them afterwards.
 2. **Output pass**, grid ``(H / out_heads, C / out_block_m, NC)``: every (heads of one group,
    block of target rows, chunk) loads C_i and the chunk's B once, computes ``C_i·Bᵀ`` once
    (it is the same for every head of a group), then loops over its heads computing
@@ -48,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .ssd import ChunkLayout, build_chunk_layout
-from .ssd_pallas import chunk_meta, gather_tracked
+from .ssd_pallas import chunk_tokens, tracked_requests
 
 MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
 
@@ -81,6 +82,11 @@ class BlockSizes:
     out_stages: int = 2
     # Heads of one group per output-pass program, looped: they share C_i, B and C·Bᵀ.
     out_heads: int = 16
+    # How the output pass adds D·x_i: "load" (a second, synchronous load of rows the x_j tile
+    # already holds), "mma" (a 0/1 selection matrix times x_j: exact, one more matmul a
+    # head, no load or address math) or "diagonal" (D added to the diagonal of the intra-chunk
+    # matrix before its cast to the dot dtype: no extra work, D·x_i rounded like that matrix).
+    out_x_i: str = "load"
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -153,8 +159,9 @@ def _state_kernel(
     seq_first_ref,  # i32[S] first chunk
     seq_count_ref,  # i32[S] number of chunks
     count_ref,  # i32[NC] tokens in each chunk
-    track_ref,  # i32[NC]
-    slot_ref,  # i32[NC]
+    req_lo_ref,  # i32[NC] chunk c's end state fills tracked rows order[lo[c]:hi[c]]
+    req_hi_ref,  # i32[NC]
+    order_ref,  # i32[max(K, 1)]
     cum_ref,  # f32[NC, H, C]
     weight_ref,  # f32[NC, H, C]
     x_ref,  # [T, H, P]
@@ -172,7 +179,7 @@ def _state_kernel(
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
-    entering_ref, final_ref, tracked_ref = rest  # [NC, H, N, P]; [S, H, P, N]; [K, H, P, N]
+    entering_ref, final_ref, tracked_ref = rest  # [NC, H, N, P]; [S, H, P, N]; [K', H, P, N]
     h, pb, nb, s = (pl.program_id(i) for i in range(4))
     g = lax.div(h, heads_per_group)
     start, length = seq_start_ref[s], seq_len_ref[s]
@@ -193,10 +200,10 @@ def _state_kernel(
         return p_ok[:, None] & n_ok[None, :]
 
     def chunk_factors(chunk):
-        """The position weights and end-of-chunk decay of one chunk, and whether its end
-        state is tracked."""
+        """The position weights and end-of-chunk decay of one chunk, and the range of
+        ``order`` naming the tracked rows its end state fills (empty: not tracked)."""
         decay = jnp.exp(cum_ref[chunk, h, chunk_size - 1])
-        return weight_ref[chunk, h, :], decay, track_ref[chunk]
+        return weight_ref[chunk, h, :], decay, (req_lo_ref[chunk], req_hi_ref[chunk])
 
     def chunk_loads(j):
         """B's and x's tiles of the sequence's chunk j. Its tokens follow from per-sequence
@@ -217,9 +224,9 @@ def _state_kernel(
         xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)
         return _dot(b, xw, (0, 0))
 
-    def advance(chunk, states, update, decay, tracked):
+    def advance(chunk, states, update, decay, requests):
         """Store the states entering ``chunk``, step them over it (``update(q)``: the chunk's
-        contribution to piece q), store the tracked ones."""
+        contribution to piece q), store them into each tracked row that asks for them."""
         new_states = []
         for q, (state, (p_slice, p_ok)) in enumerate(zip(states, pieces, strict=True)):
             plgpu.store(
@@ -229,39 +236,43 @@ def _state_kernel(
             )
             new_states.append(decay * state + update(q))
 
-        @pl.when(tracked != 0)
+        first_request, end_request = requests
+
+        @pl.when(end_request > first_request)
         def _():
-            slot = slot_ref[chunk]
-            for state, (p_slice, p_ok) in zip(new_states, pieces, strict=True):
-                plgpu.store(
-                    tracked_ref.at[slot, h, p_slice, n_slice],
-                    state.T.astype(tracked_ref.dtype),
-                    mask=pn_mask(p_ok),
-                )
+            values = [state.T.astype(tracked_ref.dtype) for state in new_states]
+
+            def store(r, carry):
+                row = order_ref[r]
+                for value, (p_slice, p_ok) in zip(values, pieces, strict=True):
+                    plgpu.store(tracked_ref.at[row, h, p_slice, n_slice], value, mask=pn_mask(p_ok))
+                return carry
+
+            lax.fori_loop(first_request, end_request, store, 0)
 
         return tuple(new_states)
 
     def chunk_update(j):
         """Everything chunk j brings, computed before the state reaches it."""
         b, xs = chunk_loads(j)
-        weight, decay, tracked = chunk_factors(first + j)
-        return tuple(contribution(b, x, weight) for x in xs), decay, tracked
+        weight, decay, requests = chunk_factors(first + j)
+        return tuple(contribution(b, x, weight) for x in xs), decay, requests
 
     def step(j, carry):
         states, ahead = carry  # ``ahead``: what the previous step prepared of chunk j
         following = jnp.minimum(j + 1, seq_chunks - 1)
         if lookahead == "update":
-            updates, decay, tracked = ahead
-            states = advance(first + j, states, updates.__getitem__, decay, tracked)
+            updates, decay, requests = ahead
+            states = advance(first + j, states, updates.__getitem__, decay, requests)
             return states, chunk_update(following)
         b, xs = chunk_loads(j)
         if lookahead == "factors":
-            (weight, decay, tracked), ahead = ahead, chunk_factors(first + following)
+            (weight, decay, requests), ahead = ahead, chunk_factors(first + following)
         else:
-            weight, decay, tracked = chunk_factors(first + j)
+            weight, decay, requests = chunk_factors(first + j)
         # Each piece's contribution computed right after its entering store, as timed.
         states = advance(
-            first + j, states, lambda q: contribution(b, xs[q], weight), decay, tracked
+            first + j, states, lambda q: contribution(b, xs[q], weight), decay, requests
         )
         return states, ahead
 
@@ -304,6 +315,7 @@ def _output_kernel(
     block_m: int,
     block_n: int,
     has_z: bool,
+    x_i_how: str,
 ):
     z_ref = rest[0] if has_z else None
     y_ref = rest[-1]
@@ -334,13 +346,19 @@ def _output_kernel(
             b_ref.at[rows_j, g, n_slice], mask=j_ok[:, None] & n_ok[None, :], other=0.0
         ).astype(dot_dtype)
         cb = _dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
+        # Picks x_j's rows of the target block: sel · x_j = x_i exactly (one non-zero product).
+        diagonal = i_pos[:, None] == j_pos[None, :]
+        sel = diagonal.astype(dot_dtype) if x_i_how == "mma" else None
 
         def head(k, carry):
             h = first_head + k
             dt_j, cum_j = dt_ref[chunk, h, :], cum_ref[chunk, h, :]
             cum_i = cum_ref[chunk, h, target]
             seg = jnp.where(causal, cum_i[:, None] - cum_j[None, :], -jnp.inf)
-            m = (cb * jnp.exp(seg) * dt_j[None, :]).astype(dot_dtype)
+            m = cb * jnp.exp(seg) * dt_j[None, :]
+            if x_i_how == "diagonal":
+                m = jnp.where(diagonal, m + d_ref[h], m)
+            m = m.astype(dot_dtype)
             decay_i = jnp.exp(cum_i)[:, None]
             for p_slice, p_ok in pieces:
                 x_j = plgpu.load(
@@ -352,10 +370,14 @@ def _output_kernel(
                     other=0.0,
                 )
                 inter = _dot(c_i, s_in, (1, 0))
-                x_i = plgpu.load(
-                    x_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
-                )
-                y = inter * decay_i + _dot(m, x_j, (1, 0)) + d_ref[h] * x_i.astype(jnp.float32)
+                y = inter * decay_i + _dot(m, x_j, (1, 0))
+                if x_i_how == "load":
+                    x_i = plgpu.load(
+                        x_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
+                    )
+                    y = y + d_ref[h] * x_i.astype(jnp.float32)
+                elif x_i_how == "mma":
+                    y = y + d_ref[h] * _dot(sel, x_j, (1, 0))
                 if z_ref is not None:
                     zv = plgpu.load(
                         z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
@@ -418,6 +440,8 @@ def ssd_varlen_gpu(
     ):
         if value != _pow2(value):
             raise ValueError(f"Triton SSD kernels need a power-of-two {name}, got {value}")
+    if bs.out_x_i not in ("load", "mma", "diagonal"):
+        raise ValueError(f"out_x_i must be 'load', 'mma' or 'diagonal', got {bs.out_x_i!r}")
     if bs.state_lookahead not in ("none", "factors", "update"):
         raise ValueError(
             f"state_lookahead must be 'none', 'factors' or 'update', got {bs.state_lookahead!r}"
@@ -425,8 +449,9 @@ def ssd_varlen_gpu(
     state_dtype = jnp.float32 if initial_states is None else initial_states.dtype
     if layout is None:
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)
-    meta = chunk_meta(layout, num_tokens, state_chunks, return_chunk_states)
-    nc = meta.token_lo.shape[0]
+    token_lo, token_count = chunk_tokens(layout, num_tokens)
+    nc = token_lo.shape[0]
+    requests = tracked_requests(nc, state_chunks, return_chunk_states)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     seq_count = jnp.where(
         lengths > 0, layout.seq_last_chunk - layout.seq_first_chunk + 1, 0
@@ -454,8 +479,8 @@ def ssd_varlen_gpu(
     )(
         A.astype(f32),
         jnp.zeros((num_heads,), f32) if dt_bias is None else dt_bias.astype(f32),
-        meta.token_lo,
-        meta.token_count,
+        token_lo,
+        token_count,
         dt,
     )
 
@@ -469,9 +494,10 @@ def ssd_varlen_gpu(
         lengths.astype(jnp.int32),
         layout.seq_first_chunk.astype(jnp.int32),
         seq_count,
-        meta.token_count,
-        meta.track,
-        meta.slot,
+        token_count,
+        requests.lo,
+        requests.hi,
+        requests.order,
         cum_chunks,
         weight_chunks,
         x,
@@ -502,7 +528,7 @@ def ssd_varlen_gpu(
         out_shape=(
             jax.ShapeDtypeStruct((nc, num_heads, state_size, head_dim), x.dtype),
             jax.ShapeDtypeStruct((num_seqs, *state_shape), state_dtype),
-            jax.ShapeDtypeStruct((meta.num_slots, *state_shape), state_dtype),
+            jax.ShapeDtypeStruct((max(requests.num_rows, 1), *state_shape), state_dtype),
         ),
         compiler_params=plgpu.CompilerParams(num_warps=bs.state_warps, num_stages=bs.state_stages),
         interpret=interpret,
@@ -513,8 +539,8 @@ def ssd_varlen_gpu(
     block_m = min(bs.out_block_m, chunk_size)
     out_operands = [
         jnp.zeros((num_heads,), f32) if D is None else D.astype(f32),
-        meta.token_lo,
-        meta.token_count,
+        token_lo,
+        token_count,
         x,
         B,
         C,
@@ -535,6 +561,7 @@ def ssd_varlen_gpu(
             block_m=block_m,
             block_n=block_n,
             has_z=z is not None,
+            x_i_how=bs.out_x_i,
         ),
         grid=(num_heads // out_heads, chunk_size // block_m, nc),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -542,7 +569,6 @@ def ssd_varlen_gpu(
         interpret=interpret,
         name="ssd_varlen_gpu_outputs",
     )(*out_operands)
-    tracked = gather_tracked(tracked, meta, state_chunks, return_chunk_states)
-    if tracked is None:
+    if state_chunks is None and not return_chunk_states:
         return y, final_states
-    return y, final_states, tracked
+    return y, final_states, tracked[: requests.num_rows]

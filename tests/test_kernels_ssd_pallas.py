@@ -114,6 +114,12 @@ def test_kernel_matches_reference_with_state_chunks(kernel):
     np.testing.assert_allclose(final, ref[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(tracked, ref[2][wanted], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(final[2], inp["init"][2])  # empty sequence keeps its state
+    # Negative requests count from the end, as the reference's indexing reads them.
+    wanted = jnp.asarray([-8, 3, -8], jnp.int32)
+    tracked = _call(kernel, inp, cu, **{**kwargs, "state_chunks": wanted})[2]
+    np.testing.assert_allclose(tracked, ref[2][wanted], rtol=1e-5, atol=1e-5)
+    none = _call(kernel, inp, cu, **{**kwargs, "state_chunks": jnp.zeros((0,), jnp.int32)})[2]
+    assert none.shape == (0, *final.shape[1:])
 
 
 @pytest.mark.parametrize("kernel", GPU_VARIANTS)
