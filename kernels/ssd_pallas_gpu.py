@@ -69,24 +69,28 @@ class BlockSizes:
     state_stages: int = 2
     # What of the next chunk the state pass's step prepares, carried in the loop:
     # * "none": nothing. The pipeliner prefetches x, B and the weights but loads the decay
-    #   and the tracking flag in the step that uses them (offline, Triton 3.6, sm_90a): two
-    #   load latencies a step on the serial chain.
-    # * "factors": its decay, tracking flag and position weights (the timed default).
-    # * "update": its whole Bᵀ·(x∘w) as well, so the matmul leaves the serial chain, which
-    #   keeps only the state update and the stores. For 1x8192 the pass is one wave of 2
-    #   programs an SM, latency-bound (Nsight Compute: 24 % issue slots busy), so independent
-    #   work a step is what it lacks. Costs the carried update's registers. Not timed yet.
+    #   and the tracking requests in the step that uses them (offline, Triton 3.6, sm_90a):
+    #   two load latencies a step on the serial chain.
+    # * "factors": its decay, tracking requests and position weights (the default).
+    # Computing its whole Bᵀ·(x∘w) a step ahead as well, off the serial chain, measured the
+    # same as "factors" (0.227 against 0.226 ms, fifth session) and was removed.
     state_lookahead: str = "factors"
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
     # Heads of one group per output-pass program, looped: they share C_i, B and C·Bᵀ.
     out_heads: int = 16
-    # How the output pass adds D·x_i: "load" (a second, synchronous load of rows the x_j tile
-    # already holds), "mma" (a 0/1 selection matrix times x_j: exact, one more matmul a
-    # head, no load or address math) or "diagonal" (D added to the diagonal of the intra-chunk
-    # matrix before its cast to the dot dtype: no extra work, D·x_i rounded like that matrix).
-    out_x_i: str = "load"
+    # How the output pass adds D·x_i:
+    # * "diagonal" (default): D is added to the diagonal of the intra-chunk matrix before its
+    #   cast to the dot dtype, so the matmul with x_j adds D·x_i. No load, no extra work; D
+    #   is rounded to the dot dtype with that matrix's entries (bf16: a relative 2^-9 of the
+    #   diagonal entry, the rounding every entry of that matrix already has). Full call on
+    #   1x8192: 0.504 ms against 0.531 ms for "load" (fifth session).
+    # * "load": D·x_i in float32 from a second, synchronous load of rows the x_j tile
+    #   already holds (the loop's only loads the pipeliner does not prefetch, with cum_i).
+    # A 0/1 selection matrix times x_j (exact, one more matmul) took 0.709 ms: its tile in
+    # shared memory left room for one program an SM. Removed.
+    out_x_i: str = "diagonal"
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -252,19 +256,9 @@ def _state_kernel(
 
         return tuple(new_states)
 
-    def chunk_update(j):
-        """Everything chunk j brings, computed before the state reaches it."""
-        b, xs = chunk_loads(j)
-        weight, decay, requests = chunk_factors(first + j)
-        return tuple(contribution(b, x, weight) for x in xs), decay, requests
-
     def step(j, carry):
         states, ahead = carry  # ``ahead``: what the previous step prepared of chunk j
         following = jnp.minimum(j + 1, seq_chunks - 1)
-        if lookahead == "update":
-            updates, decay, requests = ahead
-            states = advance(first + j, states, updates.__getitem__, decay, requests)
-            return states, chunk_update(following)
         b, xs = chunk_loads(j)
         if lookahead == "factors":
             (weight, decay, requests), ahead = ahead, chunk_factors(first + following)
@@ -285,8 +279,7 @@ def _state_kernel(
     states = tuple(initial_state(p_slice, p_ok) for p_slice, p_ok in pieces)
     # ``first`` is a real chunk even for an empty sequence (build_chunk_layout), so the
     # look-ahead before the loop reads in bounds.
-    ahead = {"update": chunk_update, "factors": lambda j: chunk_factors(first + j)}
-    ahead = ahead[lookahead](0) if lookahead in ahead else ()
+    ahead = chunk_factors(first) if lookahead == "factors" else ()
     states, _ = lax.fori_loop(0, seq_chunks, step, (states, ahead))
     for state, (p_slice, p_ok) in zip(states, pieces, strict=True):
         plgpu.store(
@@ -348,7 +341,6 @@ def _output_kernel(
         cb = _dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
         # Picks x_j's rows of the target block: sel · x_j = x_i exactly (one non-zero product).
         diagonal = i_pos[:, None] == j_pos[None, :]
-        sel = diagonal.astype(dot_dtype) if x_i_how == "mma" else None
 
         def head(k, carry):
             h = first_head + k
@@ -376,8 +368,6 @@ def _output_kernel(
                         x_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
                     )
                     y = y + d_ref[h] * x_i.astype(jnp.float32)
-                elif x_i_how == "mma":
-                    y = y + d_ref[h] * _dot(sel, x_j, (1, 0))
                 if z_ref is not None:
                     zv = plgpu.load(
                         z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
@@ -440,12 +430,10 @@ def ssd_varlen_gpu(
     ):
         if value != _pow2(value):
             raise ValueError(f"Triton SSD kernels need a power-of-two {name}, got {value}")
-    if bs.out_x_i not in ("load", "mma", "diagonal"):
-        raise ValueError(f"out_x_i must be 'load', 'mma' or 'diagonal', got {bs.out_x_i!r}")
-    if bs.state_lookahead not in ("none", "factors", "update"):
-        raise ValueError(
-            f"state_lookahead must be 'none', 'factors' or 'update', got {bs.state_lookahead!r}"
-        )
+    if bs.out_x_i not in ("load", "diagonal"):
+        raise ValueError(f"out_x_i must be 'load' or 'diagonal', got {bs.out_x_i!r}")
+    if bs.state_lookahead not in ("none", "factors"):
+        raise ValueError(f"state_lookahead must be 'none' or 'factors', got {bs.state_lookahead!r}")
     state_dtype = jnp.float32 if initial_states is None else initial_states.dtype
     if layout is None:
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)

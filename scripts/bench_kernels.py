@@ -45,6 +45,7 @@ SSD chain the SSD cases time ours and XLA only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -265,9 +266,9 @@ ROWS = []
 
 
 def report(case, ours, xla, sgl, nbytes, in_program=None, roof=None):
-    """``in_program``: {label: op} of decode steps to time inside a busy program at the end
-    of the run (``measure_in_program``), "ours" first. ``roof``: the roofline time where it is
-    not ``nbytes`` over HBM (FLOP-bound cases)."""
+    """``in_program``: {label: op} of steps (decode, conv prefill) to time inside a busy
+    program at the end of the run (``measure_in_program``), "ours" first. ``roof``: the
+    roofline time where it is not ``nbytes`` over HBM (FLOP-bound cases)."""
     roof = nbytes / HBM if roof is None else roof
     ROWS.append(dict(case=case, ours=ours, xla=xla, sgl=sgl, roof=roof, in_program=in_program))
     sgl_s = f"{sgl * 1e6:9.1f}" if sgl else "      n/a"
@@ -279,9 +280,10 @@ def report(case, ours, xla, sgl, nbytes, in_program=None, roof=None):
 
 
 def measure_in_program(row):
-    """Time a decode case's steps inside a busy program (``in_program_time``), ours and each
-    variant; sets ``row["in_program"]`` to ours (seconds a step). Runs after every SGLang
-    timing: once the profiler has run, torch's CUDA-graph capture fails in this process."""
+    """Time a case's steps (decode steps, conv prefill calls) inside a busy program
+    (``in_program_time``), ours and each variant; sets ``row["in_program"]`` to ours (seconds
+    a step). Runs after every SGLang timing: once the profiler has run, torch's CUDA-graph
+    capture fails in this process."""
     ops, pools, inputs, steps = row["in_program"]
     row["in_program"] = None
     roof, sgl = row["roof"], row["sgl"]
@@ -488,7 +490,18 @@ def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng, variants=None
 
         sgl = torch_time(run, reps) / 10
 
-    report(f"conv prefill {num_seqs}x{seqlen}", ours, xla, sgl, nbytes)
+    # Inside a busy program, as the model's prefill program runs it: the initial states ride
+    # as the "pool" (passed through), the sequence bounds last (``busy_program`` gates them).
+    def prefill_op(op):
+        return lambda init, x, cu: (op(x, jw, jb, cu, initial_states=init)[:2], init)
+
+    ops = {"ours": prefill_op(functools.partial(causal_conv1d_varlen, impl=IMPL))}
+    ops.update({f"variant {name}": prefill_op(op) for name, op in variants.items()})
+    steps = 8
+    in_program = None
+    if not SMOKE:  # the profiler sees no device kernels on CPU
+        in_program = (ops, Pools(init, ACT), [(jxs[i % 2], jcu) for i in range(steps)], steps)
+    report(f"conv prefill {num_seqs}x{seqlen}", ours, xla, sgl, nbytes, in_program)
 
 
 def bench_conv_update(rows: int, steps: int, reps: int, rng, variants=None, scan=False):
@@ -576,59 +589,29 @@ def ssu_variants(smoke: bool):
 
 
 def conv_prefill_variants(smoke: bool):
-    """(variant, tokens, channels, warps, tiles a program, exp2 SiLU[, preload]); see
-    ``ConvVarlenBlockSizes``. Compiled offline (Triton 3.6 + ptxas for sm_90a) the "rows"
-    kernels use 255 registers (most spill), i.e. 4 two-warp programs an SM; the "tile" kernel
-    with channels = 256 x warps keeps each warp along the channels (16-byte accesses, the K
-    shifted loads merged into one load a row, no shared-memory layout conversion) at
-    96-112 registers for 4-token tiles."""
-    sizes = [
-        ("rows", 16, 512, 2, 1, False),  # the default until 2026-11-29
-        ("rows", 16, 512, 2, 1, True),
-        ("rows", 8, 512, 2, 1, False),
-        ("rows", 8, 1024, 4, 1, False),
-        ("rows", 16, 256, 1, 1, False),
-        ("rows_fast", 16, 512, 2, 1, True),
-        ("rows_fast", 8, 512, 2, 1, True),
-        ("rows_fast", 8, 512, 4, 1, True),
-        ("tile", 4, 1024, 4, 1, True),
-        ("tile", 4, 1024, 4, 1, True, False),  # fast-path loads after the decision
-        ("tile", 4, 1024, 4, 1, False),
-        ("tile", 8, 1024, 4, 1, True),
-        ("tile", 2, 1024, 4, 1, True),
-        ("tile", 4, 512, 2, 1, True),
-        ("tile", 8, 512, 2, 1, True),
-        ("tile", 4, 2048, 8, 1, True),
-        ("tile", 4, 1024, 4, 4, True),  # the default since (the sweep's fastest)
-        ("tile", 4, 1024, 4, 16, True),
-        ("tile", 8, 1024, 4, 4, True),
-        ("tile", 16, 256, 4, 1, True),  # warps along the tokens: a layout conversion a program
-        ("tile", 16, 512, 8, 1, True),
+    """Changes to the default ``ConvVarlenBlockSizes`` ("tile", 4 tokens x 1024 channels,
+    4 warps, 4 tiles a program, exp2 SiLU). The third session's sweep of tile shapes and of
+    the "rows" kernels is in docs/benchmarks.md: several tile shapes landed within 2 % of
+    each other, so this sweep tries what is not a shape: loads a tile ahead, the grid's
+    order, streaming stores. Offline (Triton 3.6, ptxas sm_90a): 128 registers for the
+    default, 173 with the prefetch."""
+    variants = [
+        dict(),
+        dict(gpu_prefetch=True),
+        dict(gpu_prefetch=True, gpu_tiles=8),
+        dict(gpu_prefetch=True, gpu_tokens=8, gpu_channels=512, gpu_num_warps=2),
+        dict(gpu_channels_fastest=True),
+        dict(gpu_store_policy="evict_first"),
+        dict(gpu_prefetch=True, gpu_channels_fastest=True, gpu_store_policy="evict_first"),
     ]
-
-    def name(variant, bt, bd, w, tiles, exp2, preload=True):
-        return (
-            f"{variant} bt{bt} bd{bd} w{w}"
-            + (f" x{tiles}" if tiles > 1 else "")
-            + (" exp2" if exp2 else "")
-            + ("" if preload else " no-preload")
-        )
-
+    default = conv1d_pallas.ConvVarlenBlockSizes()
     return {
-        name(*size): functools.partial(
+        (", ".join(f"{k[4:]}={v}" for k, v in changes.items()) or "default"): functools.partial(
             conv1d_pallas.causal_conv1d_varlen_gpu,
             interpret=smoke,
-            block_sizes=conv1d_pallas.ConvVarlenBlockSizes(
-                gpu_variant=size[0],
-                gpu_tokens=size[1],
-                gpu_channels=size[2],
-                gpu_num_warps=size[3],
-                gpu_tiles=size[4],
-                gpu_exp2_silu=size[5],
-                gpu_preload=size[6] if len(size) > 6 else True,
-            ),
+            block_sizes=dataclasses.replace(default, **changes),
         )
-        for size in sizes
+        for changes in variants
     }
 
 
@@ -722,7 +705,7 @@ def main():
         bench_ssd(args.ssd_cases.split(",") if args.ssd_cases else None)
     pending = [row for row in ROWS if row["in_program"]]
     if pending:
-        print("\nDecode steps inside a busy program (the way the engine's decode step runs them):")
+        print("\nSteps inside a busy program (as the engine's decode and prefill programs run):")
     for row in pending:
         measure_in_program(row)
     print(

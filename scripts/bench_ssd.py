@@ -181,17 +181,13 @@ def sweep():
     # program, output programs without the head loop) are gone from the kernel; see
     # docs/ssd_gpu_notes.md.
     state_variants = [
-        dict(),  # N-major, whole head dim, N block 64, prefetch: the fourth session's best
-        # The next chunk's Bᵀ·(x∘w) computed a step ahead, off the serial chain.
-        dict(state_lookahead="update"),
-        dict(state_lookahead="update", state_warps=8),
+        dict(),  # N-major, whole head dim, N block 64, factors a step ahead
         dict(state_block_n=128, state_warps=8),
     ]
     out_variants = [
-        dict(),  # 16 heads of a group a program, block_m 64, 4 warps, 2 stages
-        dict(out_x_i="diagonal"),  # D on the matrix's diagonal: no second x load
-        dict(out_x_i="mma"),  # x_i as a selection matrix times x_j
-        dict(out_heads=8, out_x_i="diagonal"),
+        dict(),  # 16 heads of a group a program, block_m 64, 4 warps, D on the diagonal
+        dict(out_x_i="load"),  # D·x_i from a second load of x
+        dict(out_heads=8),
     ]
 
     def measure(changes, states_only):

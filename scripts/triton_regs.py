@@ -9,7 +9,7 @@ runs XLA's own Triton, so the counts are a close proxy, not the device's exact n
     python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel conv \\
         "variant='tile', tokens=4, channels=1024, warps=4" "variant='rows'"
     python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel ssd \\
-        "" "state_lookahead='update'"
+        "" "out_x_i='load'"
 
 Each argument is the kernel's block-size fields (``ConvVarlenBlockSizes`` without the
 ``gpu_`` prefix, ``ssd_pallas_gpu.BlockSizes``, ``state_update_pallas.GpuBlockSizes``); an
@@ -144,7 +144,7 @@ def triton_modules(kind: str, spec: str) -> list[tuple[str, str, int, int]]:
 def loop_loads(ttgir: str) -> str:
     """Loads inside the first ``scf.for`` of the compiled TTGIR: async copies and the rest."""
     body = ttgir[ttgir.index("scf.for") :] if "scf.for" in ttgir else ""
-    body = body[: body.index("scf.yield")] if body else ""
+    body = body[: body.index("scf.yield")] if "scf.yield" in body else ""
     copies = len(re.findall(r"async_copy_global_to_local", body))
     loads = len(re.findall(r"= tt\.load ", body))
     return f"; loop body: {copies} async, {loads} sync loads" if body else ""

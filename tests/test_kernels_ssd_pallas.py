@@ -26,17 +26,18 @@ KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim and state slices in the state pass (the last state slice partly
-    # masked when N is 12), each chunk's update computed a step ahead; several row blocks per
-    # chunk and 2 heads per output program.
+    # masked when N is 12), no look-ahead; several row blocks per chunk, 2 heads per output
+    # program and D·x_i from a second load of x.
     "gpu_blocks": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
         block_sizes=BlockSizes(
             state_block_p=4,
             state_block_n=8,
-            state_lookahead="update",
+            state_lookahead="none",
             out_block_m=4,
             out_heads=2,
+            out_x_i="load",
         ),
     ),
 }
@@ -150,9 +151,9 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
         ssd_varlen(*args, **kwargs, return_chunk_states=True, state_chunks=cu[:2])
 
 
-# A P-block state pass (16 head-dim rows a program, one chunk's factors a step) and one head
-# an output program, lowered to Triton on CPU beside the defaults.
-P_BLOCKS = BlockSizes(state_block_p=16, state_lookahead="none", out_heads=1)
+# A P-block state pass (16 head-dim rows a program, no look-ahead) and one head an output
+# program with D·x_i from a second load, lowered to Triton on CPU beside the defaults.
+P_BLOCKS = BlockSizes(state_block_p=16, state_lookahead="none", out_heads=1, out_x_i="load")
 
 
 @pytest.mark.parametrize(
