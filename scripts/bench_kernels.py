@@ -491,9 +491,15 @@ def bench_conv_prefill(num_seqs: int, seqlen: int, reps: int, rng, variants=None
         sgl = torch_time(run, reps) / 10
 
     # Inside a busy program, as the model's prefill program runs it: the initial states ride
-    # as the "pool" (passed through), the sequence bounds last (``busy_program`` gates them).
+    # as the "pool", the sequence bounds last (``busy_program`` gates them). Each call's final
+    # states are the next call's initial states, so no two calls are alike (XLA would merge
+    # identical ones into one).
     def prefill_op(op):
-        return lambda init, x, cu: (op(x, jw, jb, cu, initial_states=init)[:2], init)
+        def step(init, x, cu):
+            y, final = op(x, jw, jb, cu, initial_states=init)[:2]
+            return y, final.astype(init.dtype)
+
+        return step
 
     ops = {"ours": prefill_op(functools.partial(causal_conv1d_varlen, impl=IMPL))}
     ops.update({f"variant {name}": prefill_op(op) for name, op in variants.items()})

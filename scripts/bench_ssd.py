@@ -169,11 +169,11 @@ def sglang_fn(inp, lengths):
     return run, out
 
 
-def sweep():
-    """Time block-size variants on 1x8192: state-pass variants alone (states only, final states
-    checked), output-pass variants in the full call (y checked); returns the best of each
-    combined. A variant whose output misses the reference counts as infinitely slow."""
-    inp = make_inputs(CASES["1x8192"], False)
+def sweep(case: str = "1x8192"):
+    """Time block-size variants on one case: state-pass variants alone (states only, final
+    states checked), output-pass variants in the full call (y checked); returns the best of
+    each combined. A variant whose output misses the reference counts as infinitely slow."""
+    inp = make_inputs(CASES[case], "init" in case)
     ref_fn, args = ours(inp, "ref")
     y_ref, final_ref = ref_fn(*args)[:2]
     base = BlockSizes.get_default()
@@ -183,11 +183,13 @@ def sweep():
     state_variants = [
         dict(),  # N-major, whole head dim, N block 64, factors a step ahead
         dict(state_block_n=128, state_warps=8),
+        dict(state_block_n=128, state_warps=8, state_stages=3),
     ]
     out_variants = [
         dict(),  # 16 heads of a group a program, block_m 64, 4 warps, D on the diagonal
         dict(out_x_i="load"),  # D·x_i from a second load of x
         dict(out_heads=8),
+        dict(out_block_m=128, out_warps=8),
     ]
 
     def measure(changes, states_only):
@@ -225,13 +227,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sglang", default=None, help="folder holding the sglang stub package")
     parser.add_argument("--sweep", action="store_true", help="sweep GPU block sizes first")
+    parser.add_argument("--sweep-case", default="1x8192", help="the case the sweep times")
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
     print(jax.__version__, jax.devices(), BlockSizes.get_default(), flush=True)
 
     best = None  # block sizes of the sweep's winners; None: the kernel's defaults
     if args.sweep:
-        best = sweep()
+        best = sweep(args.sweep_case)
     sgl = None
     if args.sglang:
         sys.path.insert(0, args.sglang)
