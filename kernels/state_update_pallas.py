@@ -271,6 +271,15 @@ class GpuBlockSizes:
     # through once, so L2 keeps x, B, C and the scalars instead); None: the default policy.
     state_eviction: str | None = None
 
+    @classmethod
+    def for_rows(cls, rows: int) -> GpuBlockSizes:
+        """The default for a batch of ``rows``. Up to 32 rows: whole heads a program (5 tiles
+        of 16 P rows for P = 80), 8 warps, a fifth of the programs. Inside a busy program on
+        the H200 (fifth session): 4.7 / 23.8 / 88.1 µs at batch 1 / 8 / 32 against 4.9 /
+        24.6 / 88.4 µs for the 16-row tiles, which stay the default at larger batches
+        (91 % of the roofline at batch 256)."""
+        return cls(tiles=5, num_warps=8) if rows <= 32 else cls()
+
 
 def largest_divisor(n: int, cap: int) -> int:
     """The largest divisor of ``n`` that is at most ``cap`` (at least 1)."""
@@ -352,8 +361,8 @@ def selective_state_update_gpu(
     interpret: bool = False,
     block_sizes: GpuBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    bs = block_sizes or GpuBlockSizes()
     rows, num_heads, head_dim = x.shape
+    bs = block_sizes or GpuBlockSizes.for_rows(rows)
     num_groups, state_size = B.shape[1:]
     bp = pow2_divisor(head_dim, bs.head_dim)
     tiles = largest_divisor(head_dim // bp, bs.tiles)
