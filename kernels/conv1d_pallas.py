@@ -9,23 +9,31 @@ Decode update (``[S', K-1, D]`` pool, in place by slot through ``input_output_al
 
 Varlen prefill (the reference's contract: initial states by sequence, final and tracked
 windows as outputs). Each token's taps before its sequence's first token come from the
-initial state. The final and tracked windows are O(S·K·D) gathers done in XLA beside the
-kernel.
+initial state, so the kernels need each token's sequence start (``token_seq_ids``, an O(T)
+XLA op). The final and tracked windows are O(S·K·D) gathers done in XLA beside the kernel.
 
-* GPU: grid ``(T / (bt * tiles), D / bd)`` over 2-D ``[bt, bd]`` tiles; tap j is the tile of
-  x shifted up by K-1-j rows. With ``bd = 256 * warps`` every warp lies along the channels,
-  so a thread holds all ``bt`` rows of its 8 channels: 16-byte accesses, the K shifted loads
-  of a row merge into one load, and the weight rows need no shared-memory layout change. A
-  program finds its tokens' sequences itself, from the sequence starts (a compare against
-  ``cu_seqlens``, at most a few hundred entries): no per-token arrays from XLA, so nothing
-  runs before the kernel. One decision a program (the sequence start of its span's last
-  token) tells whether the whole span lies inside one sequence past its first K-1 tokens;
-  then the taps are plain loads, no masks. The other programs (a sequence start nearby, the
-  first one, the ragged end) take a general path: clamped row gathers masked by each
-  token's sequence start, and the initial state's rows for the taps before it. Earlier
-  versions (tokens unrolled over 1-D channel rows, 2.5x slower; per-token sequence arrays
-  and initial-state terms computed in XLA before the kernel, one more launch a call) are in
-  docs/benchmarks.md.
+* GPU, ``gpu_variant="rows"``: grid ``(T / bt, D / bd)``; a program's ``bt``
+  tokens are unrolled: it loads its K-1+bt rows of x, their sequence starts and the weights
+  up front, then computes and stores each token, taps before the sequence start counting
+  zero. With initial states, a token within K-1 of its sequence start is recomputed under a
+  branch with its taps from the initial state (masked loads) and stored again. The earlier
+  version walked the tokens in a loop carrying the window in registers: each iteration
+  waited on its own loads (x, the start, the sequence id for the initial-state address), one
+  memory latency per token. Compiled offline (Triton 3.6, ptxas sm_90a) this kernel uses 255
+  registers and spills: 4 two-warp programs an SM, too few loads in flight for HBM.
+  ``"rows_fast"`` adds a per-tile fast path (below) to it.
+* GPU, ``gpu_variant="tile"`` (default, 2.5x faster than "rows" on the H200): grid
+  ``(T / (bt * tiles), D / bd)`` over 2-D ``[bt, bd]``
+  tiles; tap j is the tile of x shifted up by K-1-j rows. With ``bd = 256 * warps`` every
+  warp lies along the channels, so a thread holds all ``bt`` rows of its 8 channels: 16-byte
+  accesses, the K shifted loads of a row merge into one load, and the weight rows need no
+  shared-memory layout change (96-112 registers at bt 4, none spilled). One scalar load (the
+  sequence start of the program's last token) decides whether the whole span lies inside
+  one sequence past its first K-1 tokens; then the taps are plain loads, no masks. The other
+  programs (a sequence start nearby, the first one, the ragged end) take a general path:
+  clamped row gathers masked by each token's sequence start, plus the initial-state terms
+  (``_initial_state_terms``, ``[S, K-1, D]`` from XLA) for the first K-1 tokens of each
+  sequence.
 * TPU: grid ``(T / bt, D / bd)`` over 2-D tiles. The tile and the 8 rows before it (a
   second, 8-row BlockSpec on x) go to a VMEM buffer; tap k is the buffer read at a static
   row offset, masked where it falls before the token's sequence start. The initial-state
@@ -193,20 +201,31 @@ def causal_conv1d_update_gpu(
 
 @dataclasses.dataclass(frozen=True)
 class ConvVarlenBlockSizes:
-    """Tile sizes of the varlen kernels (module docstring).
+    """Tile sizes of the varlen kernels, and the GPU kernel's variant (module docstring):
 
-    GPU: 2-D ``[gpu_tokens, gpu_channels]`` tiles (power-of-two ``gpu_tokens``), the K taps as
-    K loads of the tile shifted by 0..K-1 rows; a program walks ``gpu_tiles`` consecutive
-    tiles, all on the fast path when its whole span is interior (one decision a program, so
-    the loop has no branch in it). ``gpu_exp2_silu``: SiLU through ``exp2`` (see ``_silu``)
-    instead of ``jax.nn.sigmoid`` (8 % faster on the H200).
+    * ``gpu_variant="rows"``: a program's tokens unrolled over 1-D channel rows, every tap
+      masked by the token's sequence start (the default until measured against "tile").
+    * ``"rows_fast"``: the same, with a per-tile fast path: a tile that lies inside one
+      sequence past its first K-1 tokens (one scalar load decides) skips the per-token starts,
+      the masks and the initial-state branches.
+    * ``"tile"``: 2-D ``[gpu_tokens, gpu_channels]`` tiles (power-of-two ``gpu_tokens``),
+      the K taps as K loads of the tile shifted by 0..K-1 rows; a program walks ``gpu_tiles``
+      consecutive tiles, all on the fast path when its whole span is interior (one decision
+      a program, so the loop has no branch in it). ``gpu_preload`` (one tile a program):
+      the fast path's loads are issued before the decision, beside the start load, instead of
+      after it: one memory latency a program instead of two, for ~16 more registers.
+
+    ``gpu_exp2_silu``: SiLU through ``exp2`` (see ``_silu``) instead of ``jax.nn.sigmoid``.
+    ``gpu_prefetch`` ("tile", several tiles a program): the fast path loads tile i+1 while it
+    computes and stores tile i. ``gpu_channels_fastest`` ("tile"): the grid's first axis
+    walks the channel blocks, so programs launched together read whole rows of x rather
+    than one column stripe of many rows. ``gpu_store_policy`` ("tile", fast path): the cache
+    eviction policy of y's stores (``"evict_first"``: y is not read again here).
 
     GPU defaults: the fastest of ``scripts/bench_kernels.py --sweep`` on the H200 at 8x2048
-    tokens, 12288 channels (third session, 2026-11-29): 4 tokens x 1024 channels, 4 warps, 4
-    tiles a program, 276 us a call against 697 us for the kernel before it; SGLang's Triton
-    kernel 328 us. The designs that lost (tokens unrolled over 1-D rows, the next tile's
-    loads a tile ahead, the grid's channel axis first, streaming stores) are described in
-    docs/benchmarks.md.
+    tokens, 12288 channels (2026-11-29): "tile", 4 tokens x 1024 channels, 4 warps, 4 tiles
+    a program, exp2 SiLU: 276 us, 68 % of the HBM roofline; "rows" (16 x 512, 2 warps, the
+    earlier default) 697 us; SGLang's Triton kernel 328 us.
     """
 
     tpu_tokens: int = 256
@@ -215,8 +234,13 @@ class ConvVarlenBlockSizes:
     gpu_channels: int = 1024
     gpu_num_warps: int = 4
     gpu_num_stages: int = 1
+    gpu_variant: str = "tile"
     gpu_tiles: int = 4
     gpu_exp2_silu: bool = True
+    gpu_preload: bool = True
+    gpu_prefetch: bool = False
+    gpu_channels_fastest: bool = False
+    gpu_store_policy: str | None = None
 
 
 def _token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -264,76 +288,158 @@ def _varlen_outputs(x, y, initial_states, cu_seqlens, track_ends, k):
     return y, final, tracked
 
 
-_NO_START = jnp.iinfo(jnp.int32).max  # pads the sequence starts past the last sequence
+def _interior_tile(start_ref, t0, bt: int, k: int, num_tokens: int) -> jax.Array:
+    """Whether tokens ``[t0, t0 + bt)`` lie inside ``[0, T)`` and inside one sequence past its
+    first K-1 tokens, so that every tap is a plain row of x: starts never decrease along the
+    tokens, so the last token's start bounds them all (one scalar load)."""
+    last = jnp.minimum(t0 + bt - 1, num_tokens - 1)
+    return (start_ref[last] <= t0 - (k - 1)) & (t0 + bt <= num_tokens)
 
 
 def _varlen_gpu_kernel(
-    k, bt, bd, tiles, num_seqs, activation, has_bias, has_init, num_tokens, exp2,
-    cu_ref, x_ref, w_ref, *rest,
+    k, bt, bd, activation, has_bias, has_init, num_tokens, fast_path, exp2,
+    seq_ref, start_ref, x_ref, w_ref, *rest,
 ):  # fmt: skip
     rest = list(rest)
     bias_ref = rest.pop(0) if has_bias else None
-    init_ref = rest.pop(0) if has_init else None  # [S * (K-1), D]: row s * (K-1) + j
+    init_ref = rest.pop(0) if has_init else None
     (y_ref,) = rest
+    t0 = pl.program_id(0) * bt
     d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    ragged = num_tokens % bt != 0  # the last tile runs past T: clamp its reads, mask its writes
+    w = [w_ref[tap, d].astype(_F32) for tap in range(k)]
+    b = jnp.zeros((bd,), _F32) if bias_ref is None else bias_ref[d].astype(_F32)
+
+    def token(i):  # row of x for token t0 + i, i >= -(K-1), clamped into [0, T)
+        t = t0 + i
+        if i < 0:
+            t = jnp.maximum(t, 0)  # only the first tile clamps; those taps are masked below
+        return jnp.minimum(t, num_tokens - 1) if ragged else t
+
+    def store(i, acc):
+        out = _silu(acc, activation, exp2).astype(y_ref.dtype)
+        if ragged:
+            mask = jnp.broadcast_to(t0 + i < num_tokens, (bd,))
+            pltriton.store(y_ref.at[token(i), d], out, mask=mask)
+        else:
+            y_ref[t0 + i, d] = out
+
+    def general():
+        # The tokens are unrolled and every load is issued up front (the tile's K-1+bt rows of
+        # x, its sequence starts): one memory latency per program instead of one per token,
+        # as a loop carrying the window in registers would have.
+        rows = [x_ref[token(i), d] for i in range(-(k - 1), bt)]
+        starts = [start_ref[token(i)] for i in range(bt)]
+
+        # Taps before a token's sequence start contribute zero here; with initial states, the
+        # first K-1 tokens of each sequence are redone below (rare: K-1 tokens a sequence).
+        for i in range(bt):
+            acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
+            for tap in range(k - 1):
+                in_seq = t0 + i - (k - 1) + tap >= starts[i]
+                acc = acc + w[tap] * jnp.where(in_seq, rows[i + tap].astype(_F32), 0.0)
+            store(i, acc)
+
+        if init_ref is None:
+            return
+
+        def redo_with_initial_state(i):
+            t, start = t0 + i, starts[i]
+
+            @pl.when(t - start < k - 1)
+            def _():
+                seq = seq_ref[token(i)]
+                acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
+                for tap in range(k - 1):
+                    src = t - (k - 1) + tap
+                    in_seq = src >= start
+                    row = jnp.clip(k - 1 + src - start, 0, k - 2)
+                    mask = jnp.broadcast_to(jnp.logical_not(in_seq), (bd,))
+                    init = pltriton.load(init_ref.at[seq, row, d], mask=mask, other=0.0)
+                    prev = jnp.where(in_seq, rows[i + tap].astype(_F32), init.astype(_F32))
+                    acc = acc + w[tap] * prev
+                store(i, acc)
+
+        for i in range(bt):
+            redo_with_initial_state(i)
+
+    if not fast_path:
+        general()
+        return
+
+    def interior():  # every tap a row of x: no starts, no masks, no initial-state branches
+        rows = [x_ref[t0 + i, d].astype(_F32) for i in range(-(k - 1), bt)]
+        for i in range(bt):
+            acc = b
+            for tap in range(k):
+                acc = acc + w[tap] * rows[i + tap]
+            y_ref[t0 + i, d] = _silu(acc, activation, exp2).astype(y_ref.dtype)
+
+    jax.lax.cond(_interior_tile(start_ref, t0, bt, k, num_tokens), interior, general)
+
+
+def _varlen_gpu_tile_kernel(
+    k, bt, bd, tiles, preload, prefetch, channels_fastest, store_policy,
+    activation, has_bias, has_init, num_tokens, exp2,
+    seq_ref, start_ref, x_ref, w_ref, *rest,
+):  # fmt: skip
+    rest = list(rest)
+    bias_ref = rest.pop(0) if has_bias else None
+    terms_ref = rest.pop(0) if has_init else None  # f32[S * (K-1), D]: _initial_state_terms
+    (y_ref,) = rest
+    token_axis, channel_axis = (1, 0) if channels_fastest else (0, 1)
+    d = pl.ds(pl.multiple_of(pl.program_id(channel_axis) * bd, bd), bd)
     w = [w_ref[tap, d].astype(_F32)[None, :] for tap in range(k)]  # tap K-1: the token
     b = jnp.zeros((1, bd), _F32) if bias_ref is None else bias_ref[d].astype(_F32)[None, :]
-
-    # Each token's sequence and that sequence's first token, from the sequence starts
-    # (``token_seq_ids``' rule, padding tokens in the last sequence): no per-token arrays
-    # from XLA, so the kernel is the op's only launch before the final windows.
-    s_pad = _pow2(num_seqs)
-    seq_ids = jax.lax.broadcasted_iota(jnp.int32, (s_pad,), 0)
-    starts = pltriton.load(
-        cu_ref.at[pl.ds(0, s_pad)], mask=seq_ids < num_seqs, other=_NO_START
-    )  # i32[s_pad]
-    first_start = cu_ref[0]
-
-    def sequence_of(t):  # i32[n] tokens -> (sequence, its first token), i32[n] each
-        begun = starts[None, :] <= t[:, None]  # [n, s_pad]
-        seq = jnp.maximum(jnp.sum(begun.astype(jnp.int32), axis=1) - 1, 0)
-        start = jnp.max(jnp.where(begun, starts[None, :], first_start), axis=1)
-        return seq, start
 
     def output(acc):
         return _silu(acc, activation, exp2).astype(y_ref.dtype)
 
-    def interior(t0):
+    def interior_from(t0, taps):
+        acc = b
+        for tap in range(k):
+            acc = acc + w[tap] * taps[tap].astype(_F32)
+        pltriton.store(y_ref.at[pl.ds(t0, bt), d], output(acc), eviction_policy=store_policy)
+
+    def interior_taps(t0):
         # Tap j reads the tile shifted up by K-1-j rows. When a thread holds whole columns of
         # the tile (bd = 256 * warps) the compiler merges the repeated rows into one load
         # each; otherwise the repeats are L1/L2 hits. Either way HBM sees each row about once.
-        acc = b
-        for tap in range(k):
-            acc = acc + w[tap] * x_ref[pl.ds(t0 - (k - 1) + tap, bt), d].astype(_F32)
-        y_ref[pl.ds(t0, bt), d] = output(acc)
+        return [x_ref[pl.ds(t0 - (k - 1) + tap, bt), d] for tap in range(k)]
 
-    def general(t0):  # a sequence starts in the tile, the first tile, or a tile past T
+    def interior(t0):
+        interior_from(t0, interior_taps(t0))
+
+    def general(t0):  # sequence starts in the tile, the first tile, or a tile past T
         t = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
-        seq, start = sequence_of(t)
+        row = jnp.minimum(t, num_tokens - 1)  # every index is clamped into range: gathers
+        start = start_ref[row]
         acc = b
         for tap in range(k):
-            src = t - (k - 1) + tap  # every index is clamped into range: gathers
-            in_seq = (src >= start)[:, None]
-            tap_rows = x_ref[jnp.clip(src, 0, num_tokens - 1), d].astype(_F32)
-            if init_ref is not None and tap < k - 1:
-                # Before its sequence's start, tap ``src`` reads initial-state row K-1+src-start.
-                # General tiles are rare (a few per sequence), so all rows are gathered.
-                state_row = seq * (k - 1) + jnp.clip(k - 1 + src - start, 0, k - 2)
-                tap_rows = jnp.where(in_seq, tap_rows, init_ref[state_row, d].astype(_F32))
-            else:
-                tap_rows = jnp.where(in_seq, tap_rows, 0.0)
-            acc = acc + w[tap] * tap_rows
+            src = t - (k - 1) + tap
+            from_x = x_ref[jnp.clip(src, 0, num_tokens - 1), d].astype(_F32)
+            acc = acc + w[tap] * jnp.where((src >= start)[:, None], from_x, 0.0)
+        if terms_ref is not None:  # the initial-state taps of each sequence's first K-1 tokens
+            rel = t - start
+            term_row = seq_ref[row] * (k - 1) + jnp.clip(rel, 0, k - 2)
+            acc = acc + jnp.where((rel < k - 1)[:, None], terms_ref[term_row, d], 0.0)
         mask = jnp.broadcast_to((t < num_tokens)[:, None], (bt, bd))
         pltriton.store(y_ref.at[pl.ds(t0, bt), d], output(acc), mask=mask)
 
     # One decision for the program's span of ``tiles`` tiles, so that the interior loop has
-    # no branch in it: the span lies inside [0, T) and inside one sequence past its first K-1
-    # tokens, so every tap is a plain row of x. Starts never decrease along the tokens, so
-    # the span's last token's start bounds them all.
-    t_first = pl.program_id(0) * (tiles * bt)
-    last = jnp.minimum(t_first + tiles * bt - 1, num_tokens - 1)
-    _, last_start = sequence_of(last[None])
-    is_interior = (last_start[0] <= t_first - (k - 1)) & (t_first + tiles * bt <= num_tokens)
+    # no branch in it.
+    t_first = pl.program_id(token_axis) * (tiles * bt)
+    t_span = tiles * bt
+    is_interior = _interior_tile(start_ref, t_first, t_span, k, num_tokens)
+
+    if preload and tiles == 1 and num_tokens >= bt + k - 1:
+        # The fast path's loads are issued beside the start load that decides, not after it
+        # (one memory latency a program, not two). Their window is clamped into [0, T); it
+        # is exactly the taps whenever the fast path is taken (t0 >= K-1, t0 + bt <= T).
+        base = jnp.clip(t_first - (k - 1), 0, num_tokens - bt - (k - 1))
+        taps = [x_ref[pl.ds(base + tap, bt), d] for tap in range(k)]
+        jax.lax.cond(is_interior, lambda: interior_from(t_first, taps), lambda: general(t_first))
+        return
 
     def each_tile(path):
         def body(j, carry):
@@ -345,11 +451,25 @@ def _varlen_gpu_kernel(
         else:
             jax.lax.fori_loop(0, tiles, body, 0)
 
-    jax.lax.cond(is_interior, lambda: each_tile(interior), lambda: each_tile(general))
+    def interior_prefetching():
+        # The next tile's loads are issued before this tile's math and stores, so a program
+        # waits on one memory latency, not one a tile. The last tile reloads itself (an L1
+        # hit) rather than read past the span.
+        last = t_first + (tiles - 1) * bt
+
+        def body(j, taps):
+            t0 = pl.multiple_of(t_first + j * bt, bt)
+            following = interior_taps(jnp.minimum(t0 + bt, last))
+            interior_from(t0, taps)
+            return following
+
+        jax.lax.fori_loop(0, tiles, body, interior_taps(t_first))
+
+    fast = interior_prefetching if prefetch and tiles > 1 else lambda: each_tile(interior)
+    jax.lax.cond(is_interior, fast, lambda: each_tile(general))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+GPU_VARIANTS = ("rows", "rows_fast", "tile")
 
 
 def causal_conv1d_varlen_gpu(
@@ -366,28 +486,43 @@ def causal_conv1d_varlen_gpu(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     bs = block_sizes or ConvVarlenBlockSizes()
     num_tokens, dim = x.shape
-    num_seqs = cu_seqlens.shape[0] - 1
     k = weight.shape[0]
     bt, bd = bs.gpu_tokens, pow2_divisor(dim, bs.gpu_channels)
-    if bt & (bt - 1):
-        raise ValueError(f"the GPU conv kernel needs a power-of-two gpu_tokens, got {bt}")
-    optional = [] if bias is None else [bias]
-    if initial_states is not None:
-        optional.append(initial_states.reshape(num_seqs * (k - 1), dim))  # no copy
-    kernel = functools.partial(
-        _varlen_gpu_kernel, k, bt, bd, bs.gpu_tiles, num_seqs, activation,
-        bias is not None, initial_states is not None, num_tokens, bs.gpu_exp2_silu,
-    )  # fmt: skip
+    seq, start = _token_starts(cu_seqlens, num_tokens)
+    kernel_init = initial_states
+    flags = (activation, bias is not None, initial_states is not None, num_tokens)
+    if bs.gpu_variant == "tile":
+        if bt & (bt - 1):
+            raise ValueError(f"the 2-D tile variant needs a power-of-two gpu_tokens, got {bt}")
+        kernel = functools.partial(
+            _varlen_gpu_tile_kernel,
+            k, bt, bd, bs.gpu_tiles, bs.gpu_preload, bs.gpu_prefetch, bs.gpu_channels_fastest,
+            bs.gpu_store_policy, *flags, bs.gpu_exp2_silu,
+        )  # fmt: skip
+        grid = (pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd)
+        if bs.gpu_channels_fastest:
+            grid = grid[::-1]
+        if initial_states is not None:  # one [bt, bd] gather in the kernel instead of K-1
+            kernel_init = _initial_state_terms(weight, initial_states).reshape(-1, dim)
+    elif bs.gpu_variant in ("rows", "rows_fast"):
+        fast_path = bs.gpu_variant == "rows_fast"
+        kernel = functools.partial(
+            _varlen_gpu_kernel, k, bt, bd, *flags, fast_path, bs.gpu_exp2_silu
+        )
+        grid = (pl.cdiv(num_tokens, bt), dim // bd)
+    else:
+        raise ValueError(f"gpu_variant must be one of {GPU_VARIANTS}, got {bs.gpu_variant!r}")
+    optional = [a for a in (bias, kernel_init) if a is not None]
     y = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd),
+        grid=grid,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=pltriton.CompilerParams(
             num_warps=bs.gpu_num_warps, num_stages=bs.gpu_num_stages
         ),
         interpret=interpret,
         name="causal_conv1d_varlen",
-    )(cu_seqlens.astype(jnp.int32), x, weight, *optional)
+    )(seq, start, x, weight, *optional)
     return _varlen_outputs(x, y, initial_states, cu_seqlens, track_ends, k)
 
 

@@ -29,11 +29,23 @@ SMALL = ConvVarlenBlockSizes(tpu_tokens=16, tpu_channels=128, gpu_tokens=8, gpu_
 # taken by the tiles inside a long sequence (e.g. tokens 32..39 of the first case), the
 # general path by the others; tokens past T (5 padding + a ragged last tile) in every case.
 GPU_VARIANTS = {
-    "gpu": SMALL,  # the default: 4 tiles a program
+    "gpu": SMALL,  # the default variant ("tile", 4 tiles a program)
+    "gpu_rows": dataclasses.replace(SMALL, gpu_variant="rows", gpu_tiles=1, gpu_exp2_silu=False),
+    "gpu_rows_fast": dataclasses.replace(SMALL, gpu_variant="rows_fast", gpu_tiles=1),
     "gpu_tile_one": dataclasses.replace(SMALL, gpu_tiles=1, gpu_exp2_silu=False),
+    "gpu_tile_no_preload": dataclasses.replace(SMALL, gpu_tiles=1, gpu_preload=False),
     # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
     # the fast one); the last program's last tile lies past T.
-    "gpu_tile_loop": dataclasses.replace(SMALL, gpu_tokens=2, gpu_tiles=4),
+    "gpu_tile_loop": dataclasses.replace(SMALL, gpu_variant="tile", gpu_tokens=2, gpu_tiles=4),
+    # The grid's axes swapped (channel blocks first), streaming stores of y, and the next
+    # tile's loads issued a tile ahead.
+    "gpu_tile_channels_first": dataclasses.replace(
+        SMALL,
+        gpu_tokens=2,
+        gpu_channels_fastest=True,
+        gpu_store_policy="evict_first",
+        gpu_prefetch=True,
+    ),  # fmt: skip
 }
 VARLEN = {
     "tpu": functools.partial(causal_conv1d_varlen_tpu, interpret=True, block_sizes=SMALL),
@@ -75,7 +87,6 @@ def _numpy_varlen(x, weight, bias, cu, init, track_ends):
         ([1, 7, 0, 8, 9, 21, 3], 128, 4, jnp.float32, True),
         ([5, 0, 18, 2], 192, 4, jnp.bfloat16, False),
         ([11, 1, 6], 64, 3, jnp.bfloat16, True),
-        ([2, 13, 0, 4, 1, 9], 64, 4, jnp.float32, True),  # 6 sequences: starts padded to 8
     ],
 )
 def test_conv_varlen_kernel_matches_reference_and_numpy(
@@ -160,10 +171,16 @@ def test_conv_update_kernel_matches_reference_and_numpy(
     np.testing.assert_array_equal(new_pool[slots[real]], window[:, 1:].astype(np.float32))
 
 
-def test_conv_varlen_gpu_rejects_a_non_pow2_tile():
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ConvVarlenBlockSizes(gpu_variant="cols"),
+        ConvVarlenBlockSizes(gpu_variant="tile", gpu_tokens=12),
+    ],
+)
+def test_conv_varlen_gpu_rejects_unknown_variant_and_non_pow2_tile(sizes):
     x = jnp.ones((16, 64), jnp.float32)
-    with pytest.raises(ValueError, match="power-of-two"):
+    with pytest.raises(ValueError):
         causal_conv1d_varlen_gpu(
-            x, x[:4], None, jnp.asarray([0, 16], jnp.int32), interpret=True,
-            block_sizes=ConvVarlenBlockSizes(gpu_tokens=12),
-        )  # fmt: skip
+            x, x[:4], None, jnp.asarray([0, 16], jnp.int32), interpret=True, block_sizes=sizes
+        )
