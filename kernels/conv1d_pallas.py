@@ -216,11 +216,6 @@ class ConvVarlenBlockSizes:
       after it: one memory latency a program instead of two, for ~16 more registers.
 
     ``gpu_exp2_silu``: SiLU through ``exp2`` (see ``_silu``) instead of ``jax.nn.sigmoid``.
-    ``gpu_prefetch`` ("tile", several tiles a program): the fast path loads tile i+1 while it
-    computes and stores tile i. ``gpu_channels_fastest`` ("tile"): the grid's first axis
-    walks the channel blocks, so programs launched together read whole rows of x rather
-    than one column stripe of many rows. ``gpu_store_policy`` ("tile", fast path): the cache
-    eviction policy of y's stores (``"evict_first"``: y is not read again here).
 
     GPU defaults: the fastest of ``scripts/bench_kernels.py --sweep`` on the H200 at 8x2048
     tokens, 12288 channels (2026-11-29): "tile", 4 tokens x 1024 channels, 4 warps, 4 tiles
@@ -238,9 +233,6 @@ class ConvVarlenBlockSizes:
     gpu_tiles: int = 4
     gpu_exp2_silu: bool = True
     gpu_preload: bool = True
-    gpu_prefetch: bool = False
-    gpu_channels_fastest: bool = False
-    gpu_store_policy: str | None = None
 
 
 def _token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -379,16 +371,14 @@ def _varlen_gpu_kernel(
 
 
 def _varlen_gpu_tile_kernel(
-    k, bt, bd, tiles, preload, prefetch, channels_fastest, store_policy,
-    activation, has_bias, has_init, num_tokens, exp2,
+    k, bt, bd, tiles, preload, activation, has_bias, has_init, num_tokens, exp2,
     seq_ref, start_ref, x_ref, w_ref, *rest,
 ):  # fmt: skip
     rest = list(rest)
     bias_ref = rest.pop(0) if has_bias else None
     terms_ref = rest.pop(0) if has_init else None  # f32[S * (K-1), D]: _initial_state_terms
     (y_ref,) = rest
-    token_axis, channel_axis = (1, 0) if channels_fastest else (0, 1)
-    d = pl.ds(pl.multiple_of(pl.program_id(channel_axis) * bd, bd), bd)
+    d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
     w = [w_ref[tap, d].astype(_F32)[None, :] for tap in range(k)]  # tap K-1: the token
     b = jnp.zeros((1, bd), _F32) if bias_ref is None else bias_ref[d].astype(_F32)[None, :]
 
@@ -399,16 +389,13 @@ def _varlen_gpu_tile_kernel(
         acc = b
         for tap in range(k):
             acc = acc + w[tap] * taps[tap].astype(_F32)
-        pltriton.store(y_ref.at[pl.ds(t0, bt), d], output(acc), eviction_policy=store_policy)
+        y_ref[pl.ds(t0, bt), d] = output(acc)
 
-    def interior_taps(t0):
+    def interior(t0):
         # Tap j reads the tile shifted up by K-1-j rows. When a thread holds whole columns of
         # the tile (bd = 256 * warps) the compiler merges the repeated rows into one load
         # each; otherwise the repeats are L1/L2 hits. Either way HBM sees each row about once.
-        return [x_ref[pl.ds(t0 - (k - 1) + tap, bt), d] for tap in range(k)]
-
-    def interior(t0):
-        interior_from(t0, interior_taps(t0))
+        interior_from(t0, [x_ref[pl.ds(t0 - (k - 1) + tap, bt), d] for tap in range(k)])
 
     def general(t0):  # sequence starts in the tile, the first tile, or a tile past T
         t = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
@@ -428,7 +415,7 @@ def _varlen_gpu_tile_kernel(
 
     # One decision for the program's span of ``tiles`` tiles, so that the interior loop has
     # no branch in it.
-    t_first = pl.program_id(token_axis) * (tiles * bt)
+    t_first = pl.program_id(0) * (tiles * bt)
     t_span = tiles * bt
     is_interior = _interior_tile(start_ref, t_first, t_span, k, num_tokens)
 
@@ -451,22 +438,7 @@ def _varlen_gpu_tile_kernel(
         else:
             jax.lax.fori_loop(0, tiles, body, 0)
 
-    def interior_prefetching():
-        # The next tile's loads are issued before this tile's math and stores, so a program
-        # waits on one memory latency, not one a tile. The last tile reloads itself (an L1
-        # hit) rather than read past the span.
-        last = t_first + (tiles - 1) * bt
-
-        def body(j, taps):
-            t0 = pl.multiple_of(t_first + j * bt, bt)
-            following = interior_taps(jnp.minimum(t0 + bt, last))
-            interior_from(t0, taps)
-            return following
-
-        jax.lax.fori_loop(0, tiles, body, interior_taps(t_first))
-
-    fast = interior_prefetching if prefetch and tiles > 1 else lambda: each_tile(interior)
-    jax.lax.cond(is_interior, fast, lambda: each_tile(general))
+    jax.lax.cond(is_interior, lambda: each_tile(interior), lambda: each_tile(general))
 
 
 GPU_VARIANTS = ("rows", "rows_fast", "tile")
@@ -496,12 +468,9 @@ def causal_conv1d_varlen_gpu(
             raise ValueError(f"the 2-D tile variant needs a power-of-two gpu_tokens, got {bt}")
         kernel = functools.partial(
             _varlen_gpu_tile_kernel,
-            k, bt, bd, bs.gpu_tiles, bs.gpu_preload, bs.gpu_prefetch, bs.gpu_channels_fastest,
-            bs.gpu_store_policy, *flags, bs.gpu_exp2_silu,
+            k, bt, bd, bs.gpu_tiles, bs.gpu_preload, *flags, bs.gpu_exp2_silu,
         )  # fmt: skip
         grid = (pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd)
-        if bs.gpu_channels_fastest:
-            grid = grid[::-1]
         if initial_states is not None:  # one [bt, bd] gather in the kernel instead of K-1
             kernel_init = _initial_state_terms(weight, initial_states).reshape(-1, dim)
     elif bs.gpu_variant in ("rows", "rows_fast"):

@@ -596,19 +596,16 @@ def ssu_variants(smoke: bool):
 
 def conv_prefill_variants(smoke: bool):
     """Changes to the default ``ConvVarlenBlockSizes`` ("tile", 4 tokens x 1024 channels,
-    4 warps, 4 tiles a program, exp2 SiLU). The third session's sweep of tile shapes and of
-    the "rows" kernels is in docs/benchmarks.md: several tile shapes landed within 2 % of
-    each other, so this sweep tries what is not a shape: loads a tile ahead, the grid's
-    order, streaming stores. Offline (Triton 3.6, ptxas sm_90a): 128 registers for the
-    default, 173 with the prefetch."""
+    4 warps, 4 tiles a program, exp2 SiLU): tile shapes, compared inside a busy program as
+    well, where a call's launch overhead does not blur them. The earlier sweeps (the "rows"
+    kernels, tile shapes per call, and in the fifth session loads a tile ahead, the grid's
+    channel axis first and streaming stores, which all lost) are in docs/benchmarks.md."""
     variants = [
         dict(),
-        dict(gpu_prefetch=True),
-        dict(gpu_prefetch=True, gpu_tiles=8),
-        dict(gpu_prefetch=True, gpu_tokens=8, gpu_channels=512, gpu_num_warps=2),
-        dict(gpu_channels_fastest=True),
-        dict(gpu_store_policy="evict_first"),
-        dict(gpu_prefetch=True, gpu_channels_fastest=True, gpu_store_policy="evict_first"),
+        dict(gpu_tiles=2),
+        dict(gpu_tiles=8),
+        dict(gpu_tokens=8, gpu_channels=512, gpu_num_warps=2),
+        dict(gpu_tokens=8, gpu_tiles=2),
     ]
     default = conv1d_pallas.ConvVarlenBlockSizes()
     return {

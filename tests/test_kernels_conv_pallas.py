@@ -37,15 +37,6 @@ GPU_VARIANTS = {
     # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
     # the fast one); the last program's last tile lies past T.
     "gpu_tile_loop": dataclasses.replace(SMALL, gpu_variant="tile", gpu_tokens=2, gpu_tiles=4),
-    # The grid's axes swapped (channel blocks first), streaming stores of y, and the next
-    # tile's loads issued a tile ahead.
-    "gpu_tile_channels_first": dataclasses.replace(
-        SMALL,
-        gpu_tokens=2,
-        gpu_channels_fastest=True,
-        gpu_store_policy="evict_first",
-        gpu_prefetch=True,
-    ),  # fmt: skip
 }
 VARLEN = {
     "tpu": functools.partial(causal_conv1d_varlen_tpu, interpret=True, block_sizes=SMALL),
