@@ -56,10 +56,11 @@ MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    # Defaults: the fourth session's sweeps on the H200 (1x8192; docs/benchmarks.md,
-    # 2026-11-29). State pass alone: 0.206 ms, against 0.393 ms for the P-major pass before it.
-    # Full call: 0.530 ms with 16 heads an output program, against 0.611 ms for the best
-    # output pass before it (2 heads a program, no loop).
+    # Defaults: the fourth and fifth sessions' sweeps on the H200 (docs/benchmarks.md,
+    # 2026-11-29). 1x8192, state pass alone: 0.206 ms, against 0.393 ms for the P-major pass
+    # before it. Full call: 0.530 ms with 16 heads an output program, against 0.611 ms for the
+    # best output pass before it (2 heads a program, no loop); 0.504 ms with D on the
+    # diagonal. ``for_shape`` picks other state-pass blocks for few sequences.
     # Head-dim rows per state-pass program (power of two). At least the head dim: the whole
     # head dim in one program, in power-of-two pieces (80 = 64 + 16), B's tile loaded once a
     # step for all of it.

@@ -29,9 +29,9 @@ traffic and one more launch a step). Measured on the H200 (2026-11-29,
 GPU is 28 % slower at batch 32, no faster at 1 and 8 (there the wall time is mostly
 launches) and 1.3x slower at batch 256 (963 µs against 740-771 µs for the Triton tiles, a
 later sweep), so dispatch keeps the Triton kernel. Inside a busy program (the way the
-engine's decode step runs it) the Triton kernel takes 5.2 / 24.5 / 88.7 / 688 µs at batch
-1 / 8 / 32 / 256, SGLang's in its CUDA graph 5.2 / 23.8 / 88.3 / 689 µs; 688 µs is 91 % of
-the 4.3 TB/s roofline (docs/benchmarks.md, fourth session).
+engine's decode step runs it) the Triton kernel takes 5.0 / 23.7 / 88.3 / 687.5 µs at batch
+1 / 8 / 32 / 256, SGLang's in its CUDA graph 5.3 / 23.9 / 88.2 / 690.4 µs; 687.5 µs is
+91 % of the 4.3 TB/s roofline (docs/benchmarks.md, fifth session).
 """
 
 from __future__ import annotations

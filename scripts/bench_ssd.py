@@ -22,11 +22,12 @@ Timing: ours and the XLA reference as the median over samples of 10 back-to-back
 states, so XLA drops the output pass.
 
 Results, with the exact commands, are in docs/benchmarks.md; the kernel's versions and why
-each replaced the last are in docs/ssd_gpu_notes.md. Latest (fourth session, 2026-11-29,
-H200, jax 0.11.2; kernel v3, the defaults): 1x8192 0.555 ms against SGLang's 0.968 ms,
-1x16384 1.049 / 1.848, 8x2048 init 1.050 / 2.176, 64x256 init 1.620 / 2.529, ragged init
-0.562 / 1.166; y and states within 2.6e-3 relative of the reference. ``--sweep`` times the
-block-size variants listed in ``sweep()`` first and runs the cases with the best of them.
+each replaced the last are in docs/ssd_gpu_notes.md. Latest (fifth session, 2026-11-29,
+H200, jax 0.11.2; kernel v3.1, the defaults, through ``bench_kernels.py``): 1x8192 0.456 ms
+against SGLang's 0.934 ms, 1x16384 0.847 / 1.847, 8x2048 init 0.961 / 2.183, 64x256 init
+1.239 / 2.524, ragged init 0.545 / 1.172; y within 2.8e-3 and states within 1.7e-3 relative
+of the reference. ``--sweep`` times the block-size variants listed in ``sweep()`` on one
+case (``--sweep-case``) first and runs the cases with the best of them.
 """
 
 from __future__ import annotations
