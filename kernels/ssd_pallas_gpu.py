@@ -353,7 +353,7 @@ def _output_kernel(
             b_ref.at[rows_j, g, n_slice], mask=j_ok[:, None] & n_ok[None, :], other=0.0
         ).astype(dot_dtype)
         cb = _dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
-        # Picks x_j's rows of the target block: sel · x_j = x_i exactly (one non-zero product).
+        # Where source row j is target row i: D's entries of the matrix ("diagonal").
         diagonal = i_pos[:, None] == j_pos[None, :]
 
         def head(k, carry):
