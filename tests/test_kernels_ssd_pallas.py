@@ -158,7 +158,9 @@ P_BLOCKS = BlockSizes(state_block_p=16, state_lookahead="none", out_heads=1, out
 
 @pytest.mark.parametrize(
     "platform, block_sizes, triton_calls",
-    [("tpu", None, 0), ("cuda", None, 3), ("cuda", P_BLOCKS, 3)],
+    # None: BlockSizes.for_shape (3 sequences x 8 heads: one 8-warp program a pair);
+    # BlockSizes(): the blocks for many sequences.
+    [("tpu", None, 0), ("cuda", None, 3), ("cuda", BlockSizes(), 3), ("cuda", P_BLOCKS, 3)],
 )
 def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform, block_sizes, triton_calls):
     """Nemotron-Nano mixer shapes (P 80, N 128, chunk 128), bf16, initial and tracked states."""
