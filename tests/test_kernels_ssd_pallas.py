@@ -11,6 +11,7 @@ from jax import export
 from test_kernels_ssd import LENGTHS, PAD, _cu, _f64, _inputs, _recurrence
 
 from jaxmamba.kernels import build_chunk_layout, ssd_varlen, ssd_varlen_ref
+from jaxmamba.kernels.ssd_pallas import tracked_requests
 from jaxmamba.kernels.ssd_pallas_gpu import BlockSizes, ssd_varlen_gpu
 from jaxmamba.kernels.ssd_pallas_tpu import ssd_varlen_tpu
 
@@ -199,3 +200,21 @@ def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform, block_sizes, triton_ca
         (seqs, heads, head_dim, state),
         (seqs, heads, head_dim, state),
     ]
+
+
+def test_tracked_requests_list_every_row_under_its_chunk():
+    """Rows by chunk, as ``chunk_states[state_chunks]`` reads the indices: negative ones count
+    from the end, out-of-range ones clamp, duplicates keep every row."""
+    num_chunks = 6
+    wanted = np.array([3, -1, 9, 0, 3, -9, 5, 3], np.int32)
+    expected = np.clip(np.where(wanted < 0, wanted + num_chunks, wanted), 0, num_chunks - 1)
+    req = tracked_requests(num_chunks, jnp.asarray(wanted), all_chunks=False)
+    lo, hi, order = (np.asarray(a) for a in (req.lo, req.hi, req.order))
+    assert req.num_rows == len(wanted)
+    for chunk in range(num_chunks):
+        rows = sorted(order[lo[chunk] : hi[chunk]].tolist())
+        assert rows == np.flatnonzero(expected == chunk).tolist()
+    every = tracked_requests(num_chunks, None, all_chunks=True)
+    np.testing.assert_array_equal(np.asarray(every.hi) - np.asarray(every.lo), 1)
+    none = tracked_requests(num_chunks, None, all_chunks=False)
+    assert none.num_rows == 0 and not np.any(np.asarray(none.hi) > np.asarray(none.lo))
