@@ -242,17 +242,18 @@ def _state_kernel(
         xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)
         return _dot(b, xw, (0, 0))
 
-    def advance(chunk, states, update, decay, requests):
-        """Store the states entering ``chunk``, step them over it (``update(q)``: the chunk's
-        contribution to piece q), store them into each tracked row that asks for them."""
+    def advance(chunk, states, b, xs, weight, decay, requests):
+        """Store the states entering ``chunk``, step them over it, store them into each
+        tracked row that asks for them."""
         new_states = []
-        for q, (state, (p_slice, p_ok)) in enumerate(zip(states, pieces, strict=True)):
+        for state, x, (p_slice, p_ok) in zip(states, xs, pieces, strict=True):
             plgpu.store(
                 entering_ref.at[chunk, h, n_slice, p_slice],
                 state.astype(entering_ref.dtype),
                 mask=n_ok[:, None] & p_ok[None, :],
             )
-            new_states.append(decay * state + update(q))
+            # Each piece's contribution computed right after its entering store, as timed.
+            new_states.append(decay * state + contribution(b, x, weight))
 
         first_request, end_request = requests
 
@@ -278,11 +279,7 @@ def _state_kernel(
             (weight, decay, requests), ahead = ahead, chunk_factors(first + following)
         else:
             weight, decay, requests = chunk_factors(first + j)
-        # Each piece's contribution computed right after its entering store, as timed.
-        states = advance(
-            first + j, states, lambda q: contribution(b, xs[q], weight), decay, requests
-        )
-        return states, ahead
+        return advance(first + j, states, b, xs, weight, decay, requests), ahead
 
     def initial_state(p_slice, p_ok):
         if init_ref is None:
@@ -354,7 +351,7 @@ def _output_kernel(
         ).astype(dot_dtype)
         cb = _dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
         # Where source row j is target row i: D's entries of the matrix ("diagonal").
-        diagonal = i_pos[:, None] == j_pos[None, :]
+        diagonal = i_pos[:, None] == j_pos[None, :] if x_i_how == "diagonal" else None
 
         def head(k, carry):
             h = first_head + k
@@ -362,7 +359,7 @@ def _output_kernel(
             cum_i = cum_ref[chunk, h, target]
             seg = jnp.where(causal, cum_i[:, None] - cum_j[None, :], -jnp.inf)
             m = cb * jnp.exp(seg) * dt_j[None, :]
-            if x_i_how == "diagonal":
+            if diagonal is not None:
                 m = jnp.where(diagonal, m + d_ref[h], m)
             m = m.astype(dot_dtype)
             decay_i = jnp.exp(cum_i)[:, None]
