@@ -177,7 +177,7 @@ def sweep(case: str = "1x8192"):
     inp = make_inputs(CASES[case], "init" in case)
     ref_fn, args = ours(inp, "ref")
     y_ref, final_ref = ref_fn(*args)[:2]
-    base = BlockSizes.get_default()
+    base = BlockSizes.get_default()  # the variants' base, whatever the case (as timed)
     # The designs that lost in earlier sweeps (P-major states, heads sharing a state-pass
     # program, output programs without the head loop) are gone from the kernel; see
     # docs/ssd_gpu_notes.md.
@@ -231,7 +231,10 @@ def main():
     parser.add_argument("--sweep-case", default="1x8192", help="the case the sweep times")
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    print(jax.__version__, jax.devices(), BlockSizes.get_default(), flush=True)
+    print(jax.__version__, jax.devices(), flush=True)
+    # The kernel's blocks depend on the shape (BlockSizes.for_shape): one sequence of H heads
+    # gets the few-sequence blocks, the other cases the defaults.
+    print(f"defaults {BlockSizes.get_default()}\none sequence {BlockSizes.for_shape(1, H)}")
 
     best = None  # block sizes of the sweep's winners; None: the kernel's defaults
     if args.sweep:
