@@ -33,7 +33,9 @@ XLA op). The final and tracked windows are O(S·K·D) gathers done in XLA beside
   programs (a sequence start nearby, the first one, the ragged end) take a general path:
   clamped row gathers masked by each token's sequence start, plus the initial-state terms
   (``_initial_state_terms``, ``[S, K-1, D]`` from XLA) for the first K-1 tokens of each
-  sequence.
+  sequence. By default the interior span runs as 1-D channel rows instead, the last K-1 rows
+  carried from tile to tile in registers (each row loaded and converted once), with SiLU
+  through ``tanh.approx``: the kernel was as much bound by its instructions as by memory.
 * TPU: grid ``(T / bt, D / bd)`` over 2-D tiles. The tile and the 8 rows before it (a
   second, 8-row BlockSpec on x) go to a VMEM buffer; tap k is the buffer read at a static
   row offset, masked where it falls before the token's sequence start. The initial-state
@@ -60,16 +62,49 @@ _F32 = jnp.float32
 _LOG2_E = 1.4426950408889634
 
 
-def _silu(y: jax.Array, activation: str | None, exp2: bool = False) -> jax.Array:
-    """``y * sigmoid(y)``; ``exp2``: as ``y / (1 + 2^(-y log2 e))``. On the GPU ``exp`` is
-    libdevice's accurate ``expf`` (a range reduction around ``ex2``) and sigmoid a reciprocal
-    then a product; the exp2 form is one multiply, one ``ex2`` and one division, as accurate
-    in f32 to a few ulp."""
+SILU_FORMS = ("sigmoid", "exp2_rcp", "tanh")
+
+
+def _silu(y: jax.Array, activation: str | None, form: str = "sigmoid", interpret=False):
+    """``y * sigmoid(y)`` in one of ``SILU_FORMS``, which differ in instructions on the GPU
+    (the conv prefill kernel issues instructions on two thirds of its cycles, so they count):
+
+    * ``"sigmoid"``: ``jax.nn.sigmoid``: libdevice's accurate ``expf`` (a range reduction
+      around ``ex2``), then a reciprocal and a product.
+    * ``"exp2_rcp"``: ``y * rcp(1 + 2^(-y log2 e))``: a multiply, an ``ex2``, an add, one
+      ``rcp.approx`` and a multiply (two special-function instructions). A plain division
+      would add a range check and two scalings, which cannot fire: the denominator is >= 1,
+      and an infinite one gives 0 as it should.
+    * ``"tanh"``: ``h + h tanh(h)`` with ``h = y / 2`` and PTX's ``tanh.approx``: a multiply,
+      one special-function instruction and an FMA. Measured on the H200 against float64
+      (``scripts/silu_error.py``): absolute error <= 1.1e-5 for y in [-30, 30], at most 0.05
+      of a bf16 spacing of the output for y >= -8. Below -8 (outputs under 2.7e-3) the same
+      absolute error is large against the tiny output; ``"exp2_rcp"`` has a relative error
+      of ~2e-6 everywhere.
+
+    The inline-assembly forms have no interpreter; under ``interpret`` they run as the
+    plain formula they approximate."""
     if activation is None:
         return y
-    if exp2:
-        return y / (1.0 + jnp.exp2(y * -_LOG2_E))
-    return y * jax.nn.sigmoid(y)
+    if form == "sigmoid":
+        return y * jax.nn.sigmoid(y)
+    if form == "tanh":
+        half = y * 0.5
+        tanh = jnp.tanh(half) if interpret else pltriton.approx_tanh(half)
+        return half + half * tanh
+    if form != "exp2_rcp":
+        raise ValueError(f"SiLU form must be one of {SILU_FORMS}, got {form!r}")
+    denominator = 1.0 + jnp.exp2(y * -_LOG2_E)
+    if interpret:
+        return y / denominator
+    [reciprocal] = pltriton.elementwise_inline_asm(
+        "rcp.approx.ftz.f32 $0, $1;",
+        args=[denominator],
+        constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct.like(denominator)],
+    )
+    return y * reciprocal
 
 
 def _lane_block(dim: int, cap: int) -> int:
@@ -214,13 +249,20 @@ class ConvVarlenBlockSizes:
       a program, so the loop has no branch in it). ``gpu_preload`` (one tile a program):
       the fast path's loads are issued before the decision, beside the start load, instead of
       after it: one memory latency a program instead of two, for ~16 more registers.
+      ``gpu_carry_window`` (default): the interior span as 1-D channel rows instead, the last
+      K-1 rows carried from tile to tile in registers: each row of x is loaded and converted
+      once a program (the shifted 2-D tiles reload and reconvert K-1 rows a tile).
 
-    ``gpu_exp2_silu``: SiLU through ``exp2`` (see ``_silu``) instead of ``jax.nn.sigmoid``.
+    ``gpu_silu``: how the GPU kernels compute SiLU, one of ``SILU_FORMS`` (see ``_silu``).
 
     GPU defaults: the fastest of ``scripts/bench_kernels.py --sweep`` on the H200 at 8x2048
-    tokens, 12288 channels (2026-11-29): "tile", 4 tokens x 1024 channels, 4 warps, 4 tiles
-    a program, exp2 SiLU: 276 us, 68 % of the HBM roofline; "rows" (16 x 512, 2 warps, the
-    earlier default) 697 us; SGLang's Triton kernel 328 us.
+    tokens, 12288 channels, inside a busy program (sixth session, 2026-11-29): "tile", 4
+    tokens x 1024 channels, 4 warps, 4 tiles a program, the window carried, tanh SiLU:
+    229 us, 82 % of the HBM roofline (same run: the fifth session's default, shifted tiles
+    and exp2 SiLU, 256 us; SGLang's Triton kernel 319 us). Nsight Compute showed that default
+    issuing an instruction on 67 % of a scheduler's cycles at 3.2 TB/s: the kernel was as
+    much instruction-bound as memory-bound, and the two changes cut its instructions an
+    element from ~16.5 to ~10.3 (SASS of the loop, offline).
     """
 
     tpu_tokens: int = 256
@@ -231,8 +273,9 @@ class ConvVarlenBlockSizes:
     gpu_num_stages: int = 1
     gpu_variant: str = "tile"
     gpu_tiles: int = 4
-    gpu_exp2_silu: bool = True
+    gpu_silu: str = "tanh"
     gpu_preload: bool = True
+    gpu_carry_window: bool = True
 
 
 def _token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -289,7 +332,7 @@ def _interior_tile(start_ref, t0, bt: int, k: int, num_tokens: int) -> jax.Array
 
 
 def _varlen_gpu_kernel(
-    k, bt, bd, activation, has_bias, has_init, num_tokens, fast_path, exp2,
+    k, bt, bd, act, has_bias, has_init, num_tokens, fast_path,
     seq_ref, start_ref, x_ref, w_ref, *rest,
 ):  # fmt: skip
     rest = list(rest)
@@ -309,7 +352,7 @@ def _varlen_gpu_kernel(
         return jnp.minimum(t, num_tokens - 1) if ragged else t
 
     def store(i, acc):
-        out = _silu(acc, activation, exp2).astype(y_ref.dtype)
+        out = act(acc).astype(y_ref.dtype)
         if ragged:
             mask = jnp.broadcast_to(t0 + i < num_tokens, (bd,))
             pltriton.store(y_ref.at[token(i), d], out, mask=mask)
@@ -365,13 +408,13 @@ def _varlen_gpu_kernel(
             acc = b
             for tap in range(k):
                 acc = acc + w[tap] * rows[i + tap]
-            y_ref[t0 + i, d] = _silu(acc, activation, exp2).astype(y_ref.dtype)
+            y_ref[t0 + i, d] = act(acc).astype(y_ref.dtype)
 
     jax.lax.cond(_interior_tile(start_ref, t0, bt, k, num_tokens), interior, general)
 
 
 def _varlen_gpu_tile_kernel(
-    k, bt, bd, tiles, preload, activation, has_bias, has_init, num_tokens, exp2,
+    k, bt, bd, tiles, preload, carry_window, act, has_bias, has_init, num_tokens,
     seq_ref, start_ref, x_ref, w_ref, *rest,
 ):  # fmt: skip
     rest = list(rest)
@@ -383,7 +426,7 @@ def _varlen_gpu_tile_kernel(
     b = jnp.zeros((1, bd), _F32) if bias_ref is None else bias_ref[d].astype(_F32)[None, :]
 
     def output(acc):
-        return _silu(acc, activation, exp2).astype(y_ref.dtype)
+        return act(acc).astype(y_ref.dtype)
 
     def interior_from(t0, taps):
         acc = b
@@ -428,6 +471,25 @@ def _varlen_gpu_tile_kernel(
         jax.lax.cond(is_interior, lambda: interior_from(t_first, taps), lambda: general(t_first))
         return
 
+    def interior_rows():  # the span as 1-D rows, the window carried from tile to tile
+        w_row, b_row = [tap[0] for tap in w], b[0]
+
+        def row(t):
+            return x_ref[t, d].astype(_F32)
+
+        def body(j, window):
+            t0 = pl.multiple_of(t_first + j * bt, bt)
+            rows = [*window, *(row(t0 + i) for i in range(bt))]
+            for i in range(bt):
+                acc = b_row
+                for tap in range(k):
+                    acc = acc + w_row[tap] * rows[i + tap]
+                y_ref[t0 + i, d] = act(acc).astype(y_ref.dtype)
+            return tuple(rows[bt:])
+
+        first = tuple(row(t_first - (k - 1) + r) for r in range(k - 1))
+        jax.lax.fori_loop(0, tiles, body, first)
+
     def each_tile(path):
         def body(j, carry):
             path(pl.multiple_of(t_first + j * bt, bt))
@@ -438,6 +500,9 @@ def _varlen_gpu_tile_kernel(
         else:
             jax.lax.fori_loop(0, tiles, body, 0)
 
+    if carry_window:
+        jax.lax.cond(is_interior, interior_rows, lambda: each_tile(general))
+        return
     jax.lax.cond(is_interior, lambda: each_tile(interior), lambda: each_tile(general))
 
 
@@ -462,22 +527,23 @@ def causal_conv1d_varlen_gpu(
     bt, bd = bs.gpu_tokens, pow2_divisor(dim, bs.gpu_channels)
     seq, start = _token_starts(cu_seqlens, num_tokens)
     kernel_init = initial_states
-    flags = (activation, bias is not None, initial_states is not None, num_tokens)
+    if bs.gpu_silu not in SILU_FORMS:
+        raise ValueError(f"gpu_silu must be one of {SILU_FORMS}, got {bs.gpu_silu!r}")
+    act = functools.partial(_silu, activation=activation, form=bs.gpu_silu, interpret=interpret)
+    flags = (act, bias is not None, initial_states is not None, num_tokens)
     if bs.gpu_variant == "tile":
         if bt & (bt - 1):
             raise ValueError(f"the 2-D tile variant needs a power-of-two gpu_tokens, got {bt}")
         kernel = functools.partial(
             _varlen_gpu_tile_kernel,
-            k, bt, bd, bs.gpu_tiles, bs.gpu_preload, *flags, bs.gpu_exp2_silu,
+            k, bt, bd, bs.gpu_tiles, bs.gpu_preload, bs.gpu_carry_window, *flags,
         )  # fmt: skip
         grid = (pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd)
         if initial_states is not None:  # one [bt, bd] gather in the kernel instead of K-1
             kernel_init = _initial_state_terms(weight, initial_states).reshape(-1, dim)
     elif bs.gpu_variant in ("rows", "rows_fast"):
         fast_path = bs.gpu_variant == "rows_fast"
-        kernel = functools.partial(
-            _varlen_gpu_kernel, k, bt, bd, *flags, fast_path, bs.gpu_exp2_silu
-        )
+        kernel = functools.partial(_varlen_gpu_kernel, k, bt, bd, *flags, fast_path)
         grid = (pl.cdiv(num_tokens, bt), dim // bd)
     else:
         raise ValueError(f"gpu_variant must be one of {GPU_VARIANTS}, got {bs.gpu_variant!r}")

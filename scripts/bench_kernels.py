@@ -596,16 +596,19 @@ def ssu_variants(smoke: bool):
 
 def conv_prefill_variants(smoke: bool):
     """Changes to the default ``ConvVarlenBlockSizes`` ("tile", 4 tokens x 1024 channels,
-    4 warps, 4 tiles a program, exp2 SiLU): tile shapes, compared inside a busy program as
-    well, where a call's launch overhead does not blur them. The earlier sweeps (the "rows"
-    kernels, tile shapes per call, and in the fifth session loads a tile ahead, the grid's
-    channel axis first and streaming stores, which all lost) are in docs/benchmarks.md."""
+    4 warps, 4 tiles a program, the window carried in registers, tanh SiLU), compared inside
+    a busy program as well, where a call's launch overhead does not blur them: the shifted
+    2-D tiles and the accurate SiLU form (the fifth session's kernel is both), tile shapes.
+    The earlier sweeps (the "rows" kernels, tile shapes, loads a tile ahead, the grid's
+    channel axis first, streaming stores, which all lost) are in docs/benchmarks.md."""
     variants = [
         dict(),
-        dict(gpu_tiles=2),
+        dict(gpu_carry_window=False),
+        dict(gpu_silu="exp2_rcp"),
+        dict(gpu_carry_window=False, gpu_silu="exp2_rcp"),
         dict(gpu_tiles=8),
-        dict(gpu_tokens=8, gpu_channels=512, gpu_num_warps=2),
-        dict(gpu_tokens=8, gpu_tiles=2),
+        dict(gpu_channels=512, gpu_num_warps=2),
+        dict(gpu_num_stages=2),
     ]
     default = conv1d_pallas.ConvVarlenBlockSizes()
     return {

@@ -1,0 +1,72 @@
+"""Error of the conv kernels' SiLU forms (``conv1d_pallas.SILU_FORMS``) on the GPU, against
+float64, over a dense sweep of float32 inputs: the inline-assembly forms (``rcp.approx``,
+``tanh.approx``) have no interpreter, so their error can only be read on the device.
+
+    python3 scripts/silu_error.py [--points 2000001] [--limit 30]
+
+Per form and input range: the largest absolute error, the largest error relative to
+|SiLU(y)|, and the largest error in units of the bf16 spacing at SiLU(y) (the kernels store
+bf16, so below ~0.5 the form is as good as the store's own rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from jaxmamba.kernels import conv1d_pallas
+
+BLOCK = 1024
+RANGES = ((-30.0, -8.0), (-8.0, -2.0), (-2.0, 0.0), (0.0, 2.0), (2.0, 30.0))
+
+
+def silu_on_device(y: jax.Array, form: str) -> jax.Array:
+    def kernel(y_ref, out_ref):
+        out_ref[...] = conv1d_pallas._silu(y_ref[...], "silu", form)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(y.shape[0] // BLOCK,),
+        in_specs=[pl.BlockSpec((BLOCK,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((BLOCK,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct(y.shape, jnp.float32),
+    )(y)
+
+
+def bf16_spacing(v: np.ndarray) -> np.ndarray:
+    """The gap between bf16 numbers at |v| (8 significant bits)."""
+    exponent = np.floor(np.log2(np.maximum(np.abs(v), np.finfo(np.float32).tiny)))
+    return np.exp2(exponent - 7)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--points", type=int, default=2_000_001)
+    parser.add_argument("--limit", type=float, default=30.0)
+    args = parser.parse_args()
+    points = -(-args.points // BLOCK) * BLOCK
+    y = np.linspace(-args.limit, args.limit, points, dtype=np.float32)
+    exact = y.astype(np.float64) / (1.0 + np.exp(-y.astype(np.float64)))
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {points} inputs")
+    print("| form | y range | max abs err | max rel err | max err / bf16 spacing |")
+    print("|---|---|---|---|---|")
+    for form in conv1d_pallas.SILU_FORMS:
+        got = np.asarray(jax.jit(functools.partial(silu_on_device, form=form))(jnp.asarray(y)))
+        err = np.abs(got.astype(np.float64) - exact)
+        for lo, hi in RANGES:
+            m = (y >= lo) & (y < hi)
+            rel = err[m] / np.maximum(np.abs(exact[m]), 1e-30)
+            ulps = err[m] / bf16_spacing(exact[m])
+            print(
+                f"| {form} | [{lo:g}, {hi:g}) | {err[m].max():.2e} | {rel.max():.2e} | "
+                f"{ulps.max():.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
