@@ -119,9 +119,13 @@ def _lane_block(dim: int, cap: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ConvUpdateBlockSizes:
+    """``gpu_silu``: one of ``SILU_FORMS`` (see ``_silu``); at batch 1 the kernel is a chain
+    of latencies, and the tanh form is a short one."""
+
     tpu_channels: int = 2048
     gpu_channels: int = 256
     gpu_num_warps: int = 2
+    gpu_silu: str = "tanh"
 
 
 def _update_tpu_kernel(
@@ -183,7 +187,7 @@ def causal_conv1d_update_tpu(
 
 
 def _update_gpu_kernel(
-    k: int, bd: int, activation, has_bias, slots_ref, state_ref, x_ref, w_ref, *rest
+    k: int, bd: int, act, has_bias, slots_ref, state_ref, x_ref, w_ref, *rest
 ):  # fmt: skip
     bias_ref, y_ref, state_out_ref = rest if has_bias else (None, *rest)
     row = pl.program_id(0)
@@ -198,7 +202,7 @@ def _update_gpu_kernel(
         state_out_ref[slot, tap, d] = window[tap + 1]
     if bias_ref is not None:
         acc = acc + bias_ref[d].astype(_F32)
-    y_ref[row, d] = _silu(acc, activation).astype(y_ref.dtype)
+    y_ref[row, d] = act(acc).astype(y_ref.dtype)
 
 
 def causal_conv1d_update_gpu(
@@ -216,8 +220,11 @@ def causal_conv1d_update_gpu(
     rows, dim = x.shape
     k = weight.shape[0]
     bd = pow2_divisor(dim, bs.gpu_channels)
+    if bs.gpu_silu not in SILU_FORMS:
+        raise ValueError(f"gpu_silu must be one of {SILU_FORMS}, got {bs.gpu_silu!r}")
+    act = functools.partial(_silu, activation=activation, form=bs.gpu_silu, interpret=interpret)
     y, new_state = pl.pallas_call(
-        functools.partial(_update_gpu_kernel, k, bd, activation, bias is not None),
+        functools.partial(_update_gpu_kernel, k, bd, act, bias is not None),
         grid=(rows, dim // bd),
         out_shape=[
             jax.ShapeDtypeStruct(x.shape, x.dtype),

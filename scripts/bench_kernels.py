@@ -623,13 +623,16 @@ def conv_prefill_variants(smoke: bool):
 
 def conv_update_variants(smoke: bool):
     sizes = [(64, 1), (128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4), (2048, 8)]
-    return {
-        f"bd{bd} w{w}": functools.partial(
-            conv1d_pallas.causal_conv1d_update_gpu,
-            interpret=smoke,
-            block_sizes=conv1d_pallas.ConvUpdateBlockSizes(gpu_channels=bd, gpu_num_warps=w),
-        )
+    variants = {
+        f"bd{bd} w{w}": conv1d_pallas.ConvUpdateBlockSizes(gpu_channels=bd, gpu_num_warps=w)
         for bd, w in sizes
+    }
+    variants["sigmoid SiLU"] = conv1d_pallas.ConvUpdateBlockSizes(gpu_silu="sigmoid")
+    return {
+        name: functools.partial(
+            conv1d_pallas.causal_conv1d_update_gpu, interpret=smoke, block_sizes=sizes
+        )
+        for name, sizes in variants.items()
     }
 
 

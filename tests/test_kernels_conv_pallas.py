@@ -15,6 +15,7 @@ from jaxmamba.kernels import (
     causal_conv1d_varlen_ref,
 )
 from jaxmamba.kernels.conv1d_pallas import (
+    ConvUpdateBlockSizes,
     ConvVarlenBlockSizes,
     causal_conv1d_update_gpu,
     causal_conv1d_varlen_gpu,
@@ -52,6 +53,11 @@ VARLEN = {
 UPDATE = {
     "tpu": functools.partial(causal_conv1d_update, impl="interpret"),
     "gpu": functools.partial(causal_conv1d_update_gpu, interpret=True),
+    "gpu_sigmoid": functools.partial(
+        causal_conv1d_update_gpu,
+        interpret=True,
+        block_sizes=ConvUpdateBlockSizes(gpu_silu="sigmoid"),
+    ),
 }
 
 
