@@ -12,30 +12,20 @@ windows as outputs). Each token's taps before its sequence's first token come fr
 initial state, so the kernels need each token's sequence start (``token_seq_ids``, an O(T)
 XLA op). The final and tracked windows are O(S·K·D) gathers done in XLA beside the kernel.
 
-* GPU, ``gpu_variant="rows"``: grid ``(T / bt, D / bd)``; a program's ``bt``
-  tokens are unrolled: it loads its K-1+bt rows of x, their sequence starts and the weights
-  up front, then computes and stores each token, taps before the sequence start counting
-  zero. With initial states, a token within K-1 of its sequence start is recomputed under a
-  branch with its taps from the initial state (masked loads) and stored again. The earlier
-  version walked the tokens in a loop carrying the window in registers: each iteration
-  waited on its own loads (x, the start, the sequence id for the initial-state address), one
-  memory latency per token. Compiled offline (Triton 3.6, ptxas sm_90a) this kernel uses 255
-  registers and spills: 4 two-warp programs an SM, too few loads in flight for HBM.
-  ``"rows_fast"`` adds a per-tile fast path (below) to it.
-* GPU, ``gpu_variant="tile"`` (default, 2.5x faster than "rows" on the H200): grid
-  ``(T / (bt * tiles), D / bd)`` over 2-D ``[bt, bd]``
-  tiles; tap j is the tile of x shifted up by K-1-j rows. With ``bd = 256 * warps`` every
-  warp lies along the channels, so a thread holds all ``bt`` rows of its 8 channels: 16-byte
-  accesses, the K shifted loads of a row merge into one load, and the weight rows need no
-  shared-memory layout change (96-112 registers at bt 4, none spilled). One scalar load (the
-  sequence start of the program's last token) decides whether the whole span lies inside
-  one sequence past its first K-1 tokens; then the taps are plain loads, no masks. The other
-  programs (a sequence start nearby, the first one, the ragged end) take a general path:
-  clamped row gathers masked by each token's sequence start, plus the initial-state terms
-  (``_initial_state_terms``, ``[S, K-1, D]`` from XLA) for the first K-1 tokens of each
-  sequence. By default the interior span runs as 1-D channel rows instead, the last K-1 rows
-  carried from tile to tile in registers (each row loaded and converted once), with SiLU
-  through ``tanh.approx``: the kernel was as much bound by its instructions as by memory.
+* GPU: grid ``(T / (bt * tiles), D / bd)``; a program covers ``tiles`` consecutive
+  ``[bt, bd]`` tiles. One scalar load (the sequence start of the program's last token)
+  decides whether the whole span lies inside one sequence past its first K-1 tokens
+  (interior). An interior span runs as 1-D channel rows, the last K-1 rows carried from tile
+  to tile in registers: each row of x is loaded and converted once, no masks. With
+  ``bd = 256 * warps`` a thread holds 8 contiguous channels: 16-byte accesses. The other
+  programs (a sequence start nearby, the first one, the ragged end) take a general path over
+  2-D tiles: tap j is the tile shifted up by K-1-j rows, clamped row gathers masked by each
+  token's sequence start, plus the initial-state terms (``_initial_state_terms``,
+  ``[S, K-1, D]`` from XLA) for the first K-1 tokens of each sequence. SiLU runs through
+  ``tanh.approx`` by default: the kernel was as much bound by its instructions as by memory
+  (``ConvVarlenBlockSizes``). An earlier per-token kernel ("rows", 697 us at 8x2048 on the
+  H200 against 229 us now) was removed in the sixth session; docs/benchmarks.md keeps its
+  figures.
 * TPU: grid ``(T / bt, D / bd)`` over 2-D tiles. The tile and the 8 rows before it (a
   second, 8-row BlockSpec on x) go to a VMEM buffer; tap k is the buffer read at a static
   row offset, masked where it falls before the token's sequence start. The initial-state
@@ -243,22 +233,17 @@ def causal_conv1d_update_gpu(
 
 @dataclasses.dataclass(frozen=True)
 class ConvVarlenBlockSizes:
-    """Tile sizes of the varlen kernels, and the GPU kernel's variant (module docstring):
+    """Tile sizes of the varlen kernels (module docstring):
 
-    * ``gpu_variant="rows"``: a program's tokens unrolled over 1-D channel rows, every tap
-      masked by the token's sequence start (the default until measured against "tile").
-    * ``"rows_fast"``: the same, with a per-tile fast path: a tile that lies inside one
-      sequence past its first K-1 tokens (one scalar load decides) skips the per-token starts,
-      the masks and the initial-state branches.
-    * ``"tile"``: 2-D ``[gpu_tokens, gpu_channels]`` tiles (power-of-two ``gpu_tokens``),
-      the K taps as K loads of the tile shifted by 0..K-1 rows; a program walks ``gpu_tiles``
-      consecutive tiles, all on the fast path when its whole span is interior (one decision
-      a program, so the loop has no branch in it). ``gpu_preload`` (one tile a program):
-      the fast path's loads are issued before the decision, beside the start load, instead of
-      after it: one memory latency a program instead of two, for ~16 more registers.
-      ``gpu_carry_window`` (default): the interior span as 1-D channel rows instead, the last
-      K-1 rows carried from tile to tile in registers: each row of x is loaded and converted
-      once a program (the shifted 2-D tiles reload and reconvert K-1 rows a tile).
+    * GPU: 2-D ``[gpu_tokens, gpu_channels]`` tiles (power-of-two ``gpu_tokens``), a program
+      walks ``gpu_tiles`` consecutive tiles, all on the fast path when its whole span is
+      interior (one decision a program, so the loop has no branch in it).
+      ``gpu_carry_window`` (default): the interior span as 1-D channel rows, the last K-1
+      rows carried from tile to tile in registers; without it, tap j is a load of the tile
+      shifted by K-1-j rows (each tile reloads and reconverts K-1 rows).
+      ``gpu_preload`` (one tile a program, shifted tiles): the fast path's loads are issued
+      before the decision, beside the start load, instead of after it: one memory latency a
+      program instead of two, for ~16 more registers.
 
     ``gpu_silu``: how the GPU kernels compute SiLU, one of ``SILU_FORMS`` (see ``_silu``).
 
@@ -278,7 +263,6 @@ class ConvVarlenBlockSizes:
     gpu_channels: int = 1024
     gpu_num_warps: int = 4
     gpu_num_stages: int = 1
-    gpu_variant: str = "tile"
     gpu_tiles: int = 4
     gpu_silu: str = "tanh"
     gpu_preload: bool = True
@@ -336,88 +320,6 @@ def _interior_tile(start_ref, t0, bt: int, k: int, num_tokens: int) -> jax.Array
     tokens, so the last token's start bounds them all (one scalar load)."""
     last = jnp.minimum(t0 + bt - 1, num_tokens - 1)
     return (start_ref[last] <= t0 - (k - 1)) & (t0 + bt <= num_tokens)
-
-
-def _varlen_gpu_kernel(
-    k, bt, bd, act, has_bias, has_init, num_tokens, fast_path,
-    seq_ref, start_ref, x_ref, w_ref, *rest,
-):  # fmt: skip
-    rest = list(rest)
-    bias_ref = rest.pop(0) if has_bias else None
-    init_ref = rest.pop(0) if has_init else None
-    (y_ref,) = rest
-    t0 = pl.program_id(0) * bt
-    d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
-    ragged = num_tokens % bt != 0  # the last tile runs past T: clamp its reads, mask its writes
-    w = [w_ref[tap, d].astype(_F32) for tap in range(k)]
-    b = jnp.zeros((bd,), _F32) if bias_ref is None else bias_ref[d].astype(_F32)
-
-    def token(i):  # row of x for token t0 + i, i >= -(K-1), clamped into [0, T)
-        t = t0 + i
-        if i < 0:
-            t = jnp.maximum(t, 0)  # only the first tile clamps; those taps are masked below
-        return jnp.minimum(t, num_tokens - 1) if ragged else t
-
-    def store(i, acc):
-        out = act(acc).astype(y_ref.dtype)
-        if ragged:
-            mask = jnp.broadcast_to(t0 + i < num_tokens, (bd,))
-            pltriton.store(y_ref.at[token(i), d], out, mask=mask)
-        else:
-            y_ref[t0 + i, d] = out
-
-    def general():
-        # The tokens are unrolled and every load is issued up front (the tile's K-1+bt rows of
-        # x, its sequence starts): one memory latency per program instead of one per token,
-        # as a loop carrying the window in registers would have.
-        rows = [x_ref[token(i), d] for i in range(-(k - 1), bt)]
-        starts = [start_ref[token(i)] for i in range(bt)]
-
-        # Taps before a token's sequence start contribute zero here; with initial states, the
-        # first K-1 tokens of each sequence are redone below (rare: K-1 tokens a sequence).
-        for i in range(bt):
-            acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
-            for tap in range(k - 1):
-                in_seq = t0 + i - (k - 1) + tap >= starts[i]
-                acc = acc + w[tap] * jnp.where(in_seq, rows[i + tap].astype(_F32), 0.0)
-            store(i, acc)
-
-        if init_ref is None:
-            return
-
-        def redo_with_initial_state(i):
-            t, start = t0 + i, starts[i]
-
-            @pl.when(t - start < k - 1)
-            def _():
-                seq = seq_ref[token(i)]
-                acc = b + w[k - 1] * rows[i + k - 1].astype(_F32)
-                for tap in range(k - 1):
-                    src = t - (k - 1) + tap
-                    in_seq = src >= start
-                    row = jnp.clip(k - 1 + src - start, 0, k - 2)
-                    mask = jnp.broadcast_to(jnp.logical_not(in_seq), (bd,))
-                    init = pltriton.load(init_ref.at[seq, row, d], mask=mask, other=0.0)
-                    prev = jnp.where(in_seq, rows[i + tap].astype(_F32), init.astype(_F32))
-                    acc = acc + w[tap] * prev
-                store(i, acc)
-
-        for i in range(bt):
-            redo_with_initial_state(i)
-
-    if not fast_path:
-        general()
-        return
-
-    def interior():  # every tap a row of x: no starts, no masks, no initial-state branches
-        rows = [x_ref[t0 + i, d].astype(_F32) for i in range(-(k - 1), bt)]
-        for i in range(bt):
-            acc = b
-            for tap in range(k):
-                acc = acc + w[tap] * rows[i + tap]
-            y_ref[t0 + i, d] = act(acc).astype(y_ref.dtype)
-
-    jax.lax.cond(_interior_tile(start_ref, t0, bt, k, num_tokens), interior, general)
 
 
 def _varlen_gpu_tile_kernel(
@@ -513,9 +415,6 @@ def _varlen_gpu_tile_kernel(
     jax.lax.cond(is_interior, lambda: each_tile(interior), lambda: each_tile(general))
 
 
-GPU_VARIANTS = ("rows", "rows_fast", "tile")
-
-
 def causal_conv1d_varlen_gpu(
     x: jax.Array,  # [T, D]
     weight: jax.Array,  # [K, D]
@@ -538,22 +437,15 @@ def causal_conv1d_varlen_gpu(
         raise ValueError(f"gpu_silu must be one of {SILU_FORMS}, got {bs.gpu_silu!r}")
     act = functools.partial(_silu, activation=activation, form=bs.gpu_silu, interpret=interpret)
     flags = (act, bias is not None, initial_states is not None, num_tokens)
-    if bs.gpu_variant == "tile":
-        if bt & (bt - 1):
-            raise ValueError(f"the 2-D tile variant needs a power-of-two gpu_tokens, got {bt}")
-        kernel = functools.partial(
-            _varlen_gpu_tile_kernel,
-            k, bt, bd, bs.gpu_tiles, bs.gpu_preload, bs.gpu_carry_window, *flags,
-        )  # fmt: skip
-        grid = (pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd)
-        if initial_states is not None:  # one [bt, bd] gather in the kernel instead of K-1
-            kernel_init = _initial_state_terms(weight, initial_states).reshape(-1, dim)
-    elif bs.gpu_variant in ("rows", "rows_fast"):
-        fast_path = bs.gpu_variant == "rows_fast"
-        kernel = functools.partial(_varlen_gpu_kernel, k, bt, bd, *flags, fast_path)
-        grid = (pl.cdiv(num_tokens, bt), dim // bd)
-    else:
-        raise ValueError(f"gpu_variant must be one of {GPU_VARIANTS}, got {bs.gpu_variant!r}")
+    if bt & (bt - 1):
+        raise ValueError(f"the GPU kernel needs a power-of-two gpu_tokens, got {bt}")
+    kernel = functools.partial(
+        _varlen_gpu_tile_kernel,
+        k, bt, bd, bs.gpu_tiles, bs.gpu_preload, bs.gpu_carry_window, *flags,
+    )  # fmt: skip
+    grid = (pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd)
+    if initial_states is not None:  # one [bt, bd] gather in the kernel instead of K-1
+        kernel_init = _initial_state_terms(weight, initial_states).reshape(-1, dim)
     optional = [a for a in (bias, kernel_init) if a is not None]
     y = pl.pallas_call(
         kernel,

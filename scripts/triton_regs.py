@@ -7,7 +7,7 @@ runs XLA's own Triton, so the counts are a close proxy, not the device's exact n
 
     python3 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.6.0
     python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel conv \\
-        "variant='tile', tokens=4, channels=1024, num_warps=4" "variant='rows'"
+        "tokens=4, channels=1024, num_warps=4" "carry_window=False, silu='exp2_rcp'"
     python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel ssd \\
         "" "out_x_i='load'"
 

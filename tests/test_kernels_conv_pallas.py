@@ -30,14 +30,12 @@ SMALL = ConvVarlenBlockSizes(tpu_tokens=16, tpu_channels=128, gpu_tokens=8, gpu_
 # taken by the tiles inside a long sequence (e.g. tokens 32..39 of the first case), the
 # general path by the others; tokens past T (5 padding + a ragged last tile) in every case.
 GPU_VARIANTS = {
-    "gpu": SMALL,  # the default variant ("tile", 4 tiles a program, the window carried)
-    "gpu_rows": dataclasses.replace(SMALL, gpu_variant="rows", gpu_tiles=1, gpu_silu="sigmoid"),
-    "gpu_rows_fast": dataclasses.replace(SMALL, gpu_variant="rows_fast", gpu_tiles=1),
+    "gpu": SMALL,  # the defaults: 4 tiles a program, the window carried, tanh SiLU
     "gpu_tile_one": dataclasses.replace(SMALL, gpu_tiles=1, gpu_silu="sigmoid"),
     "gpu_tile_no_preload": dataclasses.replace(SMALL, gpu_tiles=1, gpu_preload=False),
     # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
     # the fast one); the last program's last tile lies past T.
-    "gpu_tile_loop": dataclasses.replace(SMALL, gpu_variant="tile", gpu_tokens=2, gpu_tiles=4),
+    "gpu_tile_loop": dataclasses.replace(SMALL, gpu_tokens=2, gpu_tiles=4),
     # The same span as shifted 2-D tiles instead of 1-D rows carrying the window.
     "gpu_shifted_tiles": dataclasses.replace(
         SMALL, gpu_tokens=2, gpu_tiles=4, gpu_carry_window=False, gpu_silu="exp2_rcp"
@@ -175,12 +173,11 @@ def test_conv_update_kernel_matches_reference_and_numpy(
 @pytest.mark.parametrize(
     "sizes",
     [
-        ConvVarlenBlockSizes(gpu_variant="cols"),
-        ConvVarlenBlockSizes(gpu_variant="tile", gpu_tokens=12),
+        ConvVarlenBlockSizes(gpu_tokens=12),
         ConvVarlenBlockSizes(gpu_silu="fast"),
     ],
 )
-def test_conv_varlen_gpu_rejects_unknown_variant_silu_and_non_pow2_tile(sizes):
+def test_conv_varlen_gpu_rejects_unknown_silu_and_non_pow2_tile(sizes):
     x = jnp.ones((16, 64), jnp.float32)
     with pytest.raises(ValueError):
         causal_conv1d_varlen_gpu(
