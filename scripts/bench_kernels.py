@@ -10,10 +10,10 @@ Outputs are checked against the reference on the device before timing (every var
 Decode cases run ``steps`` updates as one jitted program in which each step is exactly one
 kernel launch: each step's inputs are separate arguments and each output a separate result.
 SGLang's are ``steps`` launches captured in one CUDA graph, replayed from a cold L2 (the
-warm figure is printed too: at batch 1 a conv-update replay fits in L2). (The earlier ``lax.scan`` over
-stacked inputs added a slice of every input and an update of the stacked output around each
-kernel: up to three launches a step and, for the conv update at batch 256, 25 MB of copies
-against the kernel's 50 MB; ``--scan`` still times ours that way, to show the difference.)
+warm figure is printed too: at batch 1 a conv-update replay fits in L2). (The earlier
+``lax.scan`` over stacked inputs added a slice of every input and an update of the stacked
+output around each kernel: up to three launches a step and, for the conv update at batch
+256, 25 MB of copies against the kernel's 50 MB; ``--scan`` still times ours that way.)
 Each step touches other slots, so the state is not served from L2. Our programs are timed
 as several calls dispatched back to back and one sync (host dispatch overlaps the device,
 as graph replay does); each case prints whether XLA put the program into a CUDA graph
