@@ -251,7 +251,7 @@ class ConvVarlenBlockSizes:
     tokens, 12288 channels, inside a busy program (sixth session, 2026-11-29): "tile", 4
     tokens x 1024 channels, 4 warps, 4 tiles a program, the window carried, tanh SiLU:
     229 us, 82 % of the HBM roofline (same run: the fifth session's default, shifted tiles
-    and exp2 SiLU, 256 us; SGLang's Triton kernel 319 us). Nsight Compute showed that default
+    and exp2 SiLU, 256 us; SGLang's Triton kernel 317 us). Nsight Compute showed that default
     issuing an instruction on 67 % of a scheduler's cycles at 3.2 TB/s: the kernel was as
     much instruction-bound as memory-bound, and the two changes cut its instructions an
     element from ~16.5 to ~10.3 (SASS of the loop, offline).
