@@ -31,7 +31,10 @@ SMALL = ConvVarlenBlockSizes(tpu_tokens=16, tpu_channels=128, gpu_tokens=8, gpu_
 # general path by the others; tokens past T (5 padding + a ragged last tile) in every case.
 GPU_VARIANTS = {
     "gpu": SMALL,  # the defaults: 4 tiles a program, the window carried, tanh SiLU
-    "gpu_tile_one": dataclasses.replace(SMALL, gpu_tiles=1, gpu_silu="sigmoid"),
+    # One shifted tile a program, its loads issued before the decision (preload).
+    "gpu_tile_one": dataclasses.replace(
+        SMALL, gpu_tiles=1, gpu_carry_window=False, gpu_silu="sigmoid"
+    ),
     "gpu_tile_no_preload": dataclasses.replace(SMALL, gpu_tiles=1, gpu_preload=False),
     # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
     # the fast one); the last program's last tile lies past T.
