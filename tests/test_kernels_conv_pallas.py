@@ -186,3 +186,12 @@ def test_conv_varlen_gpu_rejects_unknown_silu_and_non_pow2_tile(sizes):
         causal_conv1d_varlen_gpu(
             x, x[:4], None, jnp.asarray([0, 16], jnp.int32), interpret=True, block_sizes=sizes
         )
+
+
+def test_conv_update_gpu_rejects_unknown_silu():
+    pool, x = jnp.ones((3, 3, 64), jnp.float32), jnp.ones((1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="gpu_silu"):
+        causal_conv1d_update_gpu(
+            pool, x, x.repeat(4, 0), None, jnp.asarray([0], jnp.int32), interpret=True,
+            block_sizes=ConvUpdateBlockSizes(gpu_silu="fast"),
+        )  # fmt: skip
