@@ -338,11 +338,14 @@ def _varlen_gpu_tile_kernel(
     def output(acc):
         return act(acc).astype(y_ref.dtype)
 
+    def convolve(bias, weights, taps):  # the K taps, oldest first, weighted, plus the bias
+        acc = bias
+        for weight, tap in zip(weights, taps, strict=True):
+            acc = acc + weight * tap.astype(_F32)
+        return acc
+
     def interior_from(t0, taps):
-        acc = b
-        for tap in range(k):
-            acc = acc + w[tap] * taps[tap].astype(_F32)
-        y_ref[pl.ds(t0, bt), d] = output(acc)
+        y_ref[pl.ds(t0, bt), d] = output(convolve(b, w, taps))
 
     def interior(t0):
         # Tap j reads the tile shifted up by K-1-j rows. When a thread holds whole columns of
@@ -391,10 +394,7 @@ def _varlen_gpu_tile_kernel(
             t0 = pl.multiple_of(t_first + j * bt, bt)
             rows = [*window, *(row(t0 + i) for i in range(bt))]
             for i in range(bt):
-                acc = b_row
-                for tap in range(k):
-                    acc = acc + w_row[tap] * rows[i + tap]
-                y_ref[t0 + i, d] = act(acc).astype(y_ref.dtype)
+                y_ref[t0 + i, d] = output(convolve(b_row, w_row, rows[i : i + k]))
             return tuple(rows[bt:])
 
         first = tuple(row(t_first - (k - 1) + r) for r in range(k - 1))
@@ -432,25 +432,24 @@ def causal_conv1d_varlen_gpu(
     num_tokens, dim = x.shape
     k = weight.shape[0]
     bt, bd = bs.gpu_tokens, pow2_divisor(dim, bs.gpu_channels)
-    seq, start = _token_starts(cu_seqlens, num_tokens)
-    kernel_init = initial_states
+    if bt & (bt - 1):
+        raise ValueError(f"the GPU kernel needs a power-of-two gpu_tokens, got {bt}")
     if bs.gpu_silu not in SILU_FORMS:
         raise ValueError(f"gpu_silu must be one of {SILU_FORMS}, got {bs.gpu_silu!r}")
     act = functools.partial(_silu, activation=activation, form=bs.gpu_silu, interpret=interpret)
-    flags = (act, bias is not None, initial_states is not None, num_tokens)
-    if bt & (bt - 1):
-        raise ValueError(f"the GPU kernel needs a power-of-two gpu_tokens, got {bt}")
     kernel = functools.partial(
         _varlen_gpu_tile_kernel,
-        k, bt, bd, bs.gpu_tiles, bs.gpu_preload, bs.gpu_carry_window, *flags,
+        k, bt, bd, bs.gpu_tiles, bs.gpu_preload, bs.gpu_carry_window, act,
+        bias is not None, initial_states is not None, num_tokens,
     )  # fmt: skip
-    grid = (pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd)
-    if initial_states is not None:  # one [bt, bd] gather in the kernel instead of K-1
-        kernel_init = _initial_state_terms(weight, initial_states).reshape(-1, dim)
-    optional = [a for a in (bias, kernel_init) if a is not None]
+    seq, start = _token_starts(cu_seqlens, num_tokens)
+    terms = None  # one [bt, bd] gather in the kernel instead of K-1
+    if initial_states is not None:
+        terms = _initial_state_terms(weight, initial_states).reshape(-1, dim)
+    optional = [a for a in (bias, terms) if a is not None]
     y = pl.pallas_call(
         kernel,
-        grid=grid,
+        grid=(pl.cdiv(num_tokens, bt * bs.gpu_tiles), dim // bd),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=pltriton.CompilerParams(
             num_warps=bs.gpu_num_warps, num_stages=bs.gpu_num_stages
