@@ -612,8 +612,8 @@ def ssu_variants(smoke: bool):
 
 
 def conv_prefill_variants(smoke: bool):
-    """Changes to the default ``ConvVarlenBlockSizes`` ("tile", 4 tokens x 1024 channels,
-    4 warps, 4 tiles a program, the window carried in registers, tanh SiLU), compared inside
+    """Changes to the default ``ConvVarlenBlockSizes`` (4 tokens x 1024 channels, 4 warps,
+    4 tiles a program, the window carried in registers, tanh SiLU), compared inside
     a busy program as well, where a call's launch overhead does not blur them: the shifted
     2-D tiles and the accurate SiLU form (the fifth session's kernel is both), tile shapes.
     The earlier sweeps (the "rows" kernels, tile shapes, loads a tile ahead, the grid's

@@ -6,7 +6,7 @@ float64, over a dense sweep of float32 inputs: the inline-assembly forms (``rcp.
 
 Per form and input range: the largest absolute error, the largest error relative to
 |SiLU(y)|, and the largest error in units of the bf16 spacing at SiLU(y) (the kernels store
-bf16, so below ~0.5 the form is as good as the store's own rounding).
+bf16: under half a spacing, the form's error is smaller than the store's own rounding).
 """
 
 from __future__ import annotations
