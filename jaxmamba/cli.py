@@ -6,9 +6,16 @@ import argparse
 import sys
 import time
 
+DEMO_MODEL = "nemotron-h-demo"
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="nemotron-h-tiny", help="preset name, YAML path or HF dir")
+    p.add_argument(
+        "--model",
+        default=DEMO_MODEL,
+        help=f"preset name, YAML path or HF checkpoint directory (default: {DEMO_MODEL}, the "
+        "built-in model trained on Python's standard library)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -33,7 +40,7 @@ def cmd_generate(args) -> int:
     from jaxmamba import SamplingParams
 
     llm = _llm(args)
-    prompts = args.prompt or ["The state space model", "Once upon a time", "JAX compiles"]
+    prompts = args.prompt or ["def main(", "import os\n", "class Config:\n    def "]
     # One seed per prompt: with a shared seed, requests draw the same random numbers.
     params = [
         SamplingParams(
@@ -62,7 +69,8 @@ def cmd_generate(args) -> int:
             f"({llm.runner.num_compiles} compilations so far)"
         )
     for out in outs:
-        print(f"\n>>> {out.prompt!r}\n{out.outputs[0].text!r}  [{out.outputs[0].finish_reason}]")
+        completion = out.outputs[0]
+        print(f"\n--- {out.prompt!r} [{completion.finish_reason}]\n{out.prompt}{completion.text}")
     return 0
 
 

@@ -7,6 +7,7 @@ G groups, N state size, K conv width, F MLP width, Hq/Hkv attention heads, Dh he
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import math
 import os
@@ -16,7 +17,8 @@ from typing import Any
 
 import yaml
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Presets are package data of `jaxmamba.configs` (the repo's configs/ folder).
+CONFIGS_DIR = Path(str(importlib.resources.files("jaxmamba.configs")))
 
 LAYER_TYPES = ("mamba", "attention", "mlp")
 MODEL_TYPES = ("nemotron_h", "mamba2")
@@ -197,10 +199,11 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str) -> ModelConfig:
-        path = CONFIGS_DIR / f"{name}.yaml"
-        if not path.is_file():
+        """A preset's config: `configs/<name>.yaml`, or the checkpoint in `configs/<name>/`."""
+        path = preset_path(name)
+        if path is None:
             raise ValueError(f"unknown model preset {name!r}; available: {list_presets()}")
-        return cls.from_yaml(path)
+        return cls.from_hf_config(path) if path.is_dir() else cls.from_yaml(path)
 
     @classmethod
     def load(cls, spec: str | os.PathLike | ModelConfig) -> ModelConfig:
@@ -305,7 +308,30 @@ class ModelConfig:
 
 
 def list_presets() -> list[str]:
-    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+    yamls = [p.stem for p in CONFIGS_DIR.glob("*.yaml")]
+    checkpoints = [p.parent.name for p in CONFIGS_DIR.glob("*/config.json")]
+    return sorted(yamls + checkpoints)
+
+
+def preset_path(name: str) -> Path | None:
+    """The YAML file or checkpoint directory of preset `name`, or None if there is none."""
+    if not name or os.sep in name or name.startswith("."):
+        return None
+    if (path := CONFIGS_DIR / f"{name}.yaml").is_file():
+        return path
+    if (path := CONFIGS_DIR / name / "config.json").is_file():
+        return path.parent
+    return None
+
+
+def checkpoint_dir(spec: str | os.PathLike) -> Path | None:
+    """The HF checkpoint directory that a model spec names: the directory itself, or the
+    directory of a checkpoint preset; None for YAML presets and files (random weights)."""
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    preset = preset_path(str(spec))
+    return preset if preset is not None and preset.is_dir() else None
 
 
 def _bad(field: str, value: Any, expected: str) -> None:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba.config import ModelConfig
+from jaxmamba.config import ModelConfig, checkpoint_dir
 from jaxmamba.engine.engine import LLMEngine
 from jaxmamba.engine.request import Request, SamplingParams
 from jaxmamba.engine.runner import ModelRunner
@@ -55,9 +54,10 @@ class RequestOutput:
 
 
 def load_params(model: str, cfg: ModelConfig, dtype, seed: int):
-    """HF checkpoint directory → its weights; a preset or YAML → random weights from `seed`."""
-    path = Path(model)
-    if path.is_dir():
+    """An HF checkpoint (a directory or a checkpoint preset) → its weights; a YAML preset or
+    file → random weights from `seed`."""
+    path = checkpoint_dir(model)
+    if path is not None:
         from jaxmamba.model.loader import load_hf_checkpoint
 
         return load_hf_checkpoint(path, cfg, dtype=dtype, expected=param_shapes(cfg, dtype))

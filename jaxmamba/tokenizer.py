@@ -1,4 +1,5 @@
-"""Tokenizers (host side): UTF-8 bytes for the demo model, HF `tokenizer.json` otherwise."""
+"""Tokenizers (host side): UTF-8 bytes for the random-weight byte presets, HF `tokenizer.json`
+for checkpoints (directories and checkpoint presets)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from jaxmamba.config import ModelConfig
+from jaxmamba.config import ModelConfig, checkpoint_dir
 
 # Presets whose vocabulary is ByteTokenizer's.
 BYTE_TOKENIZER_PRESETS = ("nemotron-h-tiny",)
@@ -111,13 +112,15 @@ class HFTokenizer:
 def load_tokenizer(
     model_spec: str | os.PathLike, cfg: ModelConfig | None = None
 ) -> Tokenizer | None:
-    """ByteTokenizer for the byte-level presets, HFTokenizer for a directory with
-    tokenizer.json, else None (the caller then works on token ids only)."""
+    """ByteTokenizer for the byte-level YAML presets, HFTokenizer for a checkpoint (directory
+    or checkpoint preset) with tokenizer.json, else None (the caller then works on token ids
+    only)."""
     path = Path(model_spec)
     if str(model_spec) in BYTE_TOKENIZER_PRESETS or (
         path.suffix in (".yaml", ".yml") and path.stem in BYTE_TOKENIZER_PRESETS
     ):
         return ByteTokenizer()
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return HFTokenizer(path, cfg)
+    checkpoint = checkpoint_dir(model_spec)
+    if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
+        return HFTokenizer(checkpoint, cfg)
     return None

@@ -134,15 +134,6 @@ class PrefixCache:
                 out.append(node)
         return out
 
-    def evictable(self) -> tuple[int, int]:
-        """(slots, pages) that eviction could free right now."""
-        nodes = self._unreferenced()
-        slots = sum(n.slot is not None for n in nodes)
-        # A node's pages can go only with its whole subtree, which must be unreferenced too;
-        # refs propagate root-ward (a request holds its whole path), so that is the case.
-        pages = sum(len(n.pages) for n in nodes)
-        return slots, pages
-
     def evict(self, need_slots: int = 0, need_pages: int = 0) -> None:
         """Free least-recently-used unreferenced checkpoints/leaves until the pools have room."""
         while self.slots.num_free < need_slots or self.pages.num_free < need_pages:

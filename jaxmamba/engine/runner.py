@@ -21,12 +21,10 @@ from jaxmamba.model.metadata import ForwardMetadata, StepInputs
 from jaxmamba.model.model import Mamba2HybridLM
 from jaxmamba.model.sampling import MAX_LOGPROBS, SampleOutput, sample
 
-# Packed per-row output of a step (one device→host transfer): the sampled token, its
-# logprob, the top token ids and their logprobs; ids are bit-cast into the float32 row.
-PACKED_WIDTH = 2 + 2 * MAX_LOGPROBS
-
 
 def pack_sample_output(out: SampleOutput) -> jax.Array:
+    """One `f32[B, 2 + 2 * MAX_LOGPROBS]` array per step (the one device→host transfer): the
+    sampled token, its logprob, the top token ids and their logprobs; ids are bit-cast."""
     as_f32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32)  # noqa: E731
     return jnp.concatenate(
         [as_f32(out.tokens)[:, None], out.logprobs[:, None], as_f32(out.top_ids), out.top_logprobs],
@@ -158,11 +156,6 @@ class ModelRunner:
         """`(args, kwargs)` of `jitted_step` for these inputs (lowering, export)."""
         kwargs = dict(num_decode=num_decode, **self._static)
         return (self.params, self.cache, self.last_tokens, inputs), kwargs
-
-    def lower_step(self, inputs: StepInputs, num_decode: int):
-        """The step lowered for these shapes (for HLO inspection)."""
-        args, kwargs = self.step_args(inputs, num_decode)
-        return jitted_step.lower(*args, **kwargs)
 
     def precompile(self, buckets, build_inputs, progress=None) -> None:
         """Compile (and run once, on padding only) the step of every bucket."""

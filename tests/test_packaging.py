@@ -1,0 +1,76 @@
+"""The built wheel carries every preset and kernel module, and works outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)]
+    subprocess.run(cmd, check=True, cwd=out)
+    (path,) = out.glob("jaxmamba-*.whl")
+    return path
+
+
+def test_wheel_holds_every_preset_and_kernel_module(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    presets = [
+        p for p in (ROOT / "configs").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    ]
+    kernels = [p for p in (ROOT / "kernels").rglob("*.py")]
+    expected = {"jaxmamba/configs/" + p.relative_to(ROOT / "configs").as_posix() for p in presets}
+    expected |= {"jaxmamba/kernels/" + p.relative_to(ROOT / "kernels").as_posix() for p in kernels}
+    assert any(n.endswith(".safetensors") for n in expected)
+    assert sorted(expected - names) == []
+
+
+def test_installed_wheel_loads_every_preset_from_another_folder(wheel, tmp_path):
+    site = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+    )
+    script = """
+import jaxmamba, jaxmamba.kernels
+from jaxmamba.config import ModelConfig, checkpoint_dir, list_presets
+from jaxmamba.tokenizer import load_tokenizer
+print(jaxmamba.__file__)
+print(jaxmamba.kernels.__file__)
+for name in list_presets():
+    cfg = ModelConfig.load(name)
+    ckpt = checkpoint_dir(name)
+    tok = load_tokenizer(name, cfg)
+    print(name, cfg.num_layers, ckpt is not None, tok is not None)
+"""
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith(str(site)) and lines[1].startswith(str(site)), lines[:2]
+    loaded = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert {"nemotron-h-tiny", "nemotron-nano-9b-v2", "mamba2-130m", "mamba2-2.7b"} <= set(loaded)
+    assert loaded["nemotron-h-demo"][1:] == ["True", "True"]
