@@ -225,9 +225,9 @@ def steps_after_lead_in(events, steps: int) -> tuple[float, float, float]:
     """From a trace's device kernel events (``ts``/``dur`` in µs), the events after the
     longest one (the lead-in): (span µs, summed kernel µs, kernels) per step.
 
-    A lead-in split over several kernels would leave some of it after the longest one and
-    inflate the steps (``scripts/bench_kernels.py``'s first lead-in, three matmuls, did so):
-    an event after it of at least half its length is taken for a piece of it, an error."""
+    A lead-in split over several kernels (a chain of matmuls, say) would leave some of it
+    after the longest one and inflate the steps: an event after it of at least half its
+    length is taken for a piece of it, an error."""
     lead = max(events, key=lambda e: e["dur"])
     lead_end = lead["ts"] + lead["dur"]
     after = [e for e in events if e["ts"] >= lead_end]

@@ -75,8 +75,9 @@ class Mamba2HybridLM(nn.Module):
     """`small_m_impl` (opt-in; None, the default, keeps XLA's dot everywhere) is the impl of
     `small_m_matmul` for every projection Linear of a step of at most `kernels.matmul.MAX_ROWS`
     tokens (the decode buckets), e.g. "auto" for the Pallas GPU kernel on CUDA. Longer steps
-    and the lm_head keep XLA's dot. On the H200 (9B, 2026-11-29) it gained 1 % at decode
-    batch 1 and nothing at 128, within the run-to-run spread (docs/benchmarks.md)."""
+    and the lm_head keep XLA's dot. Opt-in because on the 9B decode step its gain is within
+    the run-to-run spread (`scripts/bench_engine.py --small-m-impls none auto`,
+    docs/benchmarks.md)."""
 
     cfg: ModelConfig
     dtype: Dtype = jnp.float32

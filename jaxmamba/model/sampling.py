@@ -49,9 +49,8 @@ def sample(
     distribution cut by top-k/top-p (``filter_cutoff``).
 
     One key-value sort of each row's logits serves both the cut-off (scaling by a positive
-    temperature keeps the order) and the top logprobs: on the H200 a separate ``lax.top_k``
-    of 20 costs as much as the sort itself, and a sort-free radix select (32 bits, 4 per
-    pass) was 2-4x slower than the sort (``scripts/bench_sampling.py``, docs/benchmarks.md).
+    temperature keeps the order) and the top logprobs: a separate ``lax.top_k`` of 20 costs
+    as much as the sort itself (``scripts/bench_sampling.py``, docs/benchmarks.md).
     """
     vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)
