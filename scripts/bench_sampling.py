@@ -9,9 +9,8 @@ Beside it, the two pieces a sampler could spend separately: a full-vocabulary `j
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
+import bench_common as bc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +19,7 @@ from jaxmamba.model.sampling import MAX_LOGPROBS, sample
 
 
 def median_us(fn, *args, reps: int = 30) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return bc.median_time(lambda: fn(*args), reps) * 1e6
 
 
 def main() -> None:

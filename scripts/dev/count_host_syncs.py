@@ -2,8 +2,8 @@
 warm-up, host callbacks inside the jitted step, and (with --profile, on a GPU) the
 profiler's synchronisation / D2H-copy events per step.
 
-    python scripts/count_host_syncs.py --model nemotron-h-tiny
-    python scripts/count_host_syncs.py --model nemotron-nano-9b-v2 --dtype bfloat16 --profile
+    python scripts/dev/count_host_syncs.py --model nemotron-h-tiny
+    python scripts/dev/count_host_syncs.py --model nemotron-nano-9b-v2 --dtype bfloat16 --profile
 """
 
 from __future__ import annotations

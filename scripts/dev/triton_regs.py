@@ -6,14 +6,14 @@ The project's environment has no Triton; give a Python that has one (any 3.x; th
 runs XLA's own Triton, so the counts are a close proxy, not the device's exact numbers):
 
     python3 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.6.0
-    python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel conv \\
-        "tokens=4, channels=1024, num_warps=4" "carry_window=False, silu='exp2_rcp'"
-    python scripts/triton_regs.py --triton-python /tmp/tv/bin/python --kernel ssd \\
-        "" "out_x_i='load'"
+    python scripts/dev/triton_regs.py --triton-python /tmp/tv/bin/python --kernel conv \\
+        "tokens=4, channels=1024, num_warps=4" "tiles=8"
+    python scripts/dev/triton_regs.py --triton-python /tmp/tv/bin/python --kernel ssd \\
+        "" "out_heads=8"
 
-Each argument is the kernel's block-size fields (``ConvVarlenBlockSizes`` without the
-``gpu_`` prefix, ``ssd_pallas_gpu.BlockSizes``, ``state_update_pallas.GpuBlockSizes``); an
-empty one is the default. Shapes are Nemotron-H 9B's, as in the benchmarks. Per Pallas call
+Each argument is the kernel's block-size fields (the ``VarlenGpuBlockSizes`` of
+``jaxmamba.kernels.conv1d.gpu``, the ``GpuBlockSizes`` of ``ssd.gpu`` and
+``state_update.gpu``); an empty one is the default. Shapes are Nemotron-H 9B's, as in the benchmarks. Per Pallas call
 it prints registers, spilled bytes, shared memory, SASS load/store/barrier counts, its MMA
 instructions (``HGMMA``: warpgroup MMA, wgmma; ``HMMA``: mma.sync) and, for a kernel with a
 loop, the loads in the loop body after Triton's pipeliner: ``async`` copies are prefetched
@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxmamba.kernels import conv1d_pallas, ssd_pallas_gpu, state_update_pallas
+from jaxmamba.kernels.conv1d import gpu as conv_gpu
+from jaxmamba.kernels.ssd import gpu as ssd_gpu
+from jaxmamba.kernels.state_update import gpu as state_update_gpu
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 H, P, G, N, DIM, K = 128, 80, 8, 128, 12288, 4
@@ -48,11 +50,11 @@ def shapes(*specs):
 
 
 def conv_case(fields):
-    sizes = conv1d_pallas.ConvVarlenBlockSizes(**{f"gpu_{k}": v for k, v in fields.items()})
+    sizes = conv_gpu.VarlenGpuBlockSizes(**fields)
     tokens, seqs = 16384, 8
 
     def step(x, w, b, cu, init):
-        return conv1d_pallas.causal_conv1d_varlen_gpu(
+        return conv_gpu.causal_conv1d_varlen_gpu(
             x, w, b, cu, initial_states=init, block_sizes=sizes
         )[:2]
 
@@ -60,31 +62,29 @@ def conv_case(fields):
         ((tokens, DIM), BF16), ((K, DIM), BF16), ((DIM,), BF16), ((seqs + 1,), I32),
         ((seqs, K - 1, DIM), BF16),
     )  # fmt: skip
-    return conv1d_pallas, step, avals
+    return conv_gpu, step, avals
 
 
 def ssd_case(fields):
-    sizes = ssd_pallas_gpu.BlockSizes(**fields)
+    sizes = ssd_gpu.GpuBlockSizes(**fields)
     tokens = 8192
 
     def step(x, dt, a, b, c, cu):
-        return ssd_pallas_gpu.ssd_varlen_gpu(x, dt, a, b, c, cu, chunk_size=128, block_sizes=sizes)[
-            :2
-        ]
+        return ssd_gpu.ssd_varlen_gpu(x, dt, a, b, c, cu, chunk_size=128, block_sizes=sizes)[:2]
 
     avals = shapes(
         ((tokens, H, P), BF16), ((tokens, H), BF16), ((H,), F32), ((tokens, G, N), BF16),
         ((tokens, G, N), BF16), ((2,), I32),
     )  # fmt: skip
-    return ssd_pallas_gpu, step, avals
+    return ssd_gpu, step, avals
 
 
 def ssu_case(fields):
-    sizes = state_update_pallas.GpuBlockSizes(**fields)
+    sizes = state_update_gpu.GpuBlockSizes(**fields)
     rows, slots = 32, 513
 
     def step(state, x, dt, a, b, c, slot_ids, d, bias):
-        return state_update_pallas.selective_state_update_gpu(
+        return state_update_gpu.selective_state_update_gpu(
             state, x, dt, a, b, c, slot_ids, D=d, dt_bias=bias, block_sizes=sizes
         )
 
@@ -92,7 +92,7 @@ def ssu_case(fields):
         ((slots, H, P, N), F32), ((rows, H, P), BF16), ((rows, H), BF16), ((H,), F32),
         ((rows, G, N), BF16), ((rows, G, N), BF16), ((rows,), I32), ((H,), F32), ((H,), F32),
     )  # fmt: skip
-    return state_update_pallas, step, avals
+    return state_update_gpu, step, avals
 
 
 CASES = {"conv": conv_case, "ssd": ssd_case, "ssu": ssu_case}

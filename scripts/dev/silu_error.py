@@ -1,8 +1,10 @@
-"""Error of the conv kernels' SiLU forms (``conv1d_pallas.SILU_FORMS``) on the GPU, against
-float64, over a dense sweep of float32 inputs: the inline-assembly forms (``rcp.approx``,
-``tanh.approx``) have no interpreter, so their error can only be read on the device.
+"""Error of the GPU conv kernels' SiLU (``jaxmamba.kernels.conv1d.gpu.silu``), exact and
+approximate (``tanh.approx``, the bf16 outputs' form), on the GPU against float64, over a
+dense sweep of float32 inputs: the inline assembly has no interpreter, so its error can only
+be read on the device.
 
-    python3 scripts/silu_error.py [--points 2000001] [--limit 30]
+    python3 scripts/dev/silu_error.py [--points 2000001] [--limit 30]
+    python3 scripts/dev/silu_error.py --smoke    # CPU: interpret mode (jnp.tanh), few points
 
 Per form and input range: the largest absolute error, the largest error relative to
 |SiLU(y)|, and the largest error in units of the bf16 spacing at SiLU(y) (the kernels store
@@ -19,15 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxmamba.kernels import conv1d_pallas
+from jaxmamba.kernels.conv1d.gpu import silu
 
 BLOCK = 1024
+FORMS = {"exact": False, "tanh.approx": True}  # name: silu's ``approx``
 RANGES = ((-30.0, -8.0), (-8.0, -2.0), (-2.0, 0.0), (0.0, 2.0), (2.0, 30.0))
 
 
-def silu_on_device(y: jax.Array, form: str) -> jax.Array:
+def silu_on_device(y: jax.Array, approx: bool, interpret: bool) -> jax.Array:
     def kernel(y_ref, out_ref):
-        out_ref[...] = conv1d_pallas._silu(y_ref[...], "silu", form)
+        out_ref[...] = silu(y_ref[...], approx=approx, interpret=interpret)
 
     return pl.pallas_call(
         kernel,
@@ -35,6 +38,7 @@ def silu_on_device(y: jax.Array, form: str) -> jax.Array:
         in_specs=[pl.BlockSpec((BLOCK,), lambda i: (i,))],
         out_specs=pl.BlockSpec((BLOCK,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct(y.shape, jnp.float32),
+        interpret=interpret,
     )(y)
 
 
@@ -48,15 +52,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--points", type=int, default=2_000_001)
     parser.add_argument("--limit", type=float, default=30.0)
+    parser.add_argument("--smoke", action="store_true", help="CPU: interpret mode, 10k points")
     args = parser.parse_args()
+    if args.smoke:
+        args.points = min(args.points, 10_000)
     points = -(-args.points // BLOCK) * BLOCK
     y = np.linspace(-args.limit, args.limit, points, dtype=np.float32)
     exact = y.astype(np.float64) / (1.0 + np.exp(-y.astype(np.float64)))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {points} inputs")
     print("| form | y range | max abs err | max rel err | max err / bf16 spacing |")
     print("|---|---|---|---|---|")
-    for form in conv1d_pallas.SILU_FORMS:
-        got = np.asarray(jax.jit(functools.partial(silu_on_device, form=form))(jnp.asarray(y)))
+    for form, approx in FORMS.items():
+        run = functools.partial(silu_on_device, approx=approx, interpret=args.smoke)
+        got = np.asarray(jax.jit(run)(jnp.asarray(y)))
         err = np.abs(got.astype(np.float64) - exact)
         for lo, hi in RANGES:
             m = (y >= lo) & (y < hi)

@@ -5,27 +5,31 @@ holds exactly that call's kernels (XLA's fusions around ours included):
 
     ncu --clock-control none --profile-from-start off \\
         --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size \\
-        python3 scripts/kernel_listing.py conv_prefill,conv_update,ssd_64x256,ssd_1x8192
+        python3 scripts/dev/kernel_listing.py conv_prefill,conv_update,ssd_64x256,ssd_1x8192
 
-Nemotron-Nano-9B-v2 Mamba shapes, as in ``bench_kernels.py`` and ``bench_ssd.py``. Nsight
-Compute runs the kernels one at a time, so the durations are each kernel alone, without the
-gaps between launches.
+Nemotron-Nano-9B-v2 Mamba shapes, as in ``scripts/bench_conv.py`` and ``scripts/bench_ssd.py``.
+Nsight Compute runs the kernels one at a time, so the durations are each kernel alone,
+without the gaps between launches. Needs ``pip install --no-deps --no-build-isolation -e .``
+in the repo root (the kernels come from the installed ``jaxmamba.kernels``).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_ssd  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxmamba.kernels import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
+from jaxmamba.kernels import (
+    build_chunk_layout,
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    ssd_varlen,
+)
 
+H, P, G, N, CHUNK = 128, 80, 8, 128, 128
 DIM, K = 12288, 4
 
 
@@ -74,24 +78,47 @@ def conv_update(rng):
     profiled("conv update bs 1", call)
 
 
-def ssd(case: str):
-    inp = bench_ssd.make_inputs(bench_ssd.CASES[case], "init" in case)
-    fn, args = bench_ssd.ours(inp, "pallas")
-    profiled(f"ssd {case}", lambda: fn(*args))
+def ssd(rng, lengths: list[int], with_init: bool):
+    """The SSD scan over sequences of ``lengths`` tokens, one tracked state a sequence (its
+    last chunk), with initial states if ``with_init``."""
+    tokens, seqs = sum(lengths), len(lengths)
+
+    def normal(*shape, dtype=jnp.bfloat16, scale=1.0):
+        return jnp.asarray(scale * rng.standard_normal(shape), dtype)
+
+    x, dt = normal(tokens, H, P), normal(tokens, H)
+    b, c = normal(tokens, G, N, scale=0.5), normal(tokens, G, N, scale=0.5)
+    a = -jnp.exp(normal(H, dtype=jnp.float32))
+    d, bias = normal(H, dtype=jnp.float32), normal(H, dtype=jnp.float32) - 1.0
+    init = normal(seqs, H, P, N, dtype=jnp.float32, scale=0.1) if with_init else None
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    layout = build_chunk_layout(cu, tokens, CHUNK)
+    fn = jax.jit(
+        lambda x, dt, b, c: ssd_varlen(
+            x, dt, a, b, c, cu, chunk_size=CHUNK, D=d, dt_bias=bias, initial_states=init,
+            layout=layout, state_chunks=layout.seq_last_chunk.astype(jnp.int32), impl="pallas",
+        )
+    )  # fmt: skip
+    name = f"ssd {seqs}x{lengths[0]}{' init' if with_init else ''}"
+    profiled(name, lambda: fn(x, dt, b, c))
 
 
 CASES = {
     "conv_prefill": conv_prefill,
     "conv_update": conv_update,
-    "ssd_1x8192": lambda rng: ssd("1x8192"),
-    "ssd_64x256": lambda rng: ssd("64x256 init"),
+    "ssd_1x8192": lambda rng: ssd(rng, [8192], with_init=False),
+    "ssd_64x256": lambda rng: ssd(rng, [256] * 64, with_init=True),
 }
 
 
 def main():
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(CASES)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("cases", nargs="?", default=",".join(CASES), help="comma-separated")
+    args = parser.parse_args()
     rng = np.random.default_rng(0)
-    for name in names:
+    for name in args.cases.split(","):
         CASES[name](rng)
 
 
