@@ -12,11 +12,16 @@ Notation (dimension letters used in every shape comment):
   NP  KV pages (+1 pad page)   PS  page size   R  page-table rows   MP  pages per row
   small_m_matmul (a plain matmul) uses its own letters: x [M, K] @ W [K, N]
 
-Every public op takes ``impl="auto"|"ref"|"pallas"|"interpret"`` (see ``dispatch.py``);
-the ``*_ref`` functions are the plain-jnp references with float32 accumulation.
+Every op is a package laid out alike: ``__init__.py`` (the dispatcher: the public function),
+``ref.py`` (the plain-jnp ``*_ref`` with float32 accumulation), ``tpu.py`` (Mosaic TPU kernel),
+``gpu.py`` (Triton-lowered GPU kernel), each kernel with its ``TpuBlockSizes`` /
+``GpuBlockSizes`` (``get_default``). Every public op takes
+``impl="auto"|"ref"|"pallas"|"interpret"|...`` (see ``dispatch.py``); helpers shared by all
+ops are in ``common.py``.
 """
 
 from .attention import paged_attention, paged_attention_ref, write_kv
+from .common import process_dt
 from .conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
@@ -27,7 +32,7 @@ from .conv1d import (
 )
 from .dispatch import IMPLS, select_impl
 from .matmul import small_m_matmul, small_m_matmul_ref
-from .ssd import ChunkLayout, build_chunk_layout, num_chunks, process_dt, ssd_varlen, ssd_varlen_ref
+from .ssd import ChunkLayout, build_chunk_layout, num_chunks, ssd_varlen, ssd_varlen_ref
 from .state_update import selective_state_update, selective_state_update_ref
 
 __all__ = [

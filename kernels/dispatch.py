@@ -17,18 +17,10 @@ Every public op takes ``impl``:
   the op has one for it, else the reference. A whole model mixes ops with and without
   kernels, so this is what exporting a model step for another platform uses.
 
-Pallas GPU lowering, per op: every CUDA kernel here is Triton-lowered.
-
-* State update: both lowerings exist. Mosaic GPU (``state_update_mosaic_gpu``) measured 28 %
-  slower than the Triton kernel on the H200 at batch 32, 1.3x slower at batch 256 (963 µs,
-  65 % of the HBM roofline, against 740-771 µs for the Triton tiles in the same sweep), and
-  no faster at batch 1 and 8 (2026-11-29; its 64-row register layout costs an XLA pre-pass
-  at P = 80), so ``"auto"`` takes the Triton kernel.
-* Conv (prefill and update), SSD scan, paged attention: Triton only. They are gathers by slot,
-  sequential scans and page walks with per-program scalar indexing, masked windows at
-  arbitrary token offsets and power-of-two tiles of any shape, which the Triton lowering
-  expresses directly; Mosaic GPU's TMA/WGMMA path wants tile-aligned windows (a regrouping
-  copy of x for the SSD, see ``scripts/bench_ssd.py``). Mosaic GPU was not measured for them.
+Every CUDA kernel here is Triton-lowered: they are gathers by slot, sequential scans and page
+walks with per-program scalar indexing, masked windows at arbitrary token offsets and
+power-of-two tiles of any shape, which the Triton lowering expresses directly (each kernel
+module says why for its op).
 """
 
 from __future__ import annotations

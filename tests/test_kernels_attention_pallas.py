@@ -11,9 +11,9 @@ import pytest
 
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
 from jaxmamba.kernels import paged_attention, paged_attention_ref
-from jaxmamba.kernels.attention_pallas import build_query_blocks, num_query_blocks
-from jaxmamba.kernels.attention_pallas_gpu import GpuBlockSizes, paged_attention_gpu
-from jaxmamba.kernels.attention_pallas_tpu import TpuBlockSizes, paged_attention_tpu
+from jaxmamba.kernels.attention.blocks import build_query_blocks, num_query_blocks
+from jaxmamba.kernels.attention.gpu import GpuBlockSizes, paged_attention_gpu
+from jaxmamba.kernels.attention.tpu import TpuBlockSizes, paged_attention_tpu
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.metadata import ForwardMetadata
 

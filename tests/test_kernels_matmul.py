@@ -14,7 +14,7 @@ from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import ModelRunner, step_fn
 from jaxmamba.kernels.matmul import MAX_ROWS, small_m_matmul, small_m_matmul_ref
-from jaxmamba.kernels.matmul_pallas_gpu import BlockSizes, small_m_matmul_gpu
+from jaxmamba.kernels.matmul.gpu import GpuBlockSizes, small_m_matmul_gpu
 from jaxmamba.model.params import param_shapes
 
 from model_helpers import builder, make_runner, row
@@ -23,7 +23,7 @@ from model_helpers import builder, make_runner, row
 RTOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-5}
 # Several blocks, and edges, along K=200 and N=333; min_steps=1 lets the automatic split
 # count reach 4 (4 splits of 2 steps of 32 rows: the last split is ragged).
-SMALL = BlockSizes(block_n=64, block_k=32, min_steps=1)
+SMALL = GpuBlockSizes(block_n=64, block_k=32, min_steps=1)
 
 
 def _inputs(m, k, n, dtype, seed=0):
@@ -44,9 +44,9 @@ def _assert_close(got, want, dtype):
     "m, block_sizes",
     [
         (1, SMALL),
-        (1, BlockSizes(block_n=64, block_k=32, single_row_fma=True)),
-        (3, BlockSizes(block_n=64, block_k=32, split_k=3)),  # 3 * 3 * 32 > 200: an empty tail
-        (16, BlockSizes(block_n=128, block_k=64, split_k=1)),  # direct store, no partials
+        (1, GpuBlockSizes(block_n=64, block_k=32, single_row_fma=True)),
+        (3, GpuBlockSizes(block_n=64, block_k=32, split_k=3)),  # 3 * 3 * 32 > 200: an empty tail
+        (16, GpuBlockSizes(block_n=128, block_k=64, split_k=1)),  # direct store, no partials
     ],
 )
 def test_kernel_matches_reference_and_float64(m, block_sizes, dtype):
@@ -70,11 +70,11 @@ def test_nan_row_stays_in_its_row():
 
 def test_split_count_fills_the_machine_but_keeps_steps():
     assert SMALL.splits(200, 333) == 4
-    bs = BlockSizes(block_n=128, block_k=64, min_programs=264, min_steps=4)
+    bs = GpuBlockSizes(block_n=128, block_k=64, min_programs=264, min_steps=4)
     assert bs.splits(4480, 131072) == 1  # 1024 column blocks already
     assert bs.splits(10240, 4480) == 8  # 35 blocks -> 280 programs
     assert bs.splits(200, 4480) == 1  # 4 K tiles: one split of >= 4 steps
-    assert BlockSizes(split_k=3).splits(10240, 4480) == 3
+    assert GpuBlockSizes(split_k=3).splits(10240, 4480) == 3
 
 
 def test_dispatch_out_dtype_and_errors():

@@ -11,9 +11,9 @@ from jax import export
 from test_kernels_ssd import LENGTHS, PAD, _cu, _f64, _inputs, _recurrence
 
 from jaxmamba.kernels import build_chunk_layout, ssd_varlen, ssd_varlen_ref
-from jaxmamba.kernels.ssd_pallas import tracked_requests
-from jaxmamba.kernels.ssd_pallas_gpu import BlockSizes, ssd_varlen_gpu
-from jaxmamba.kernels.ssd_pallas_tpu import ssd_varlen_tpu
+from jaxmamba.kernels.ssd.gpu import GpuBlockSizes, ssd_varlen_gpu
+from jaxmamba.kernels.ssd.layout import tracked_requests
+from jaxmamba.kernels.ssd.tpu import ssd_varlen_tpu
 
 CHUNK = 8
 # bf16 kernels feed the matmuls bf16 operands (the carried state too, for the inter-chunk
@@ -27,19 +27,11 @@ KERNELS = {
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim and state slices in the state pass (the last state slice partly
-    # masked when N is 12), no look-ahead; several row blocks per chunk, 2 heads per output
-    # program and D·x_i from a second load of x.
+    # masked when N is 12); several row blocks per chunk, 2 heads per output program.
     "gpu_blocks": functools.partial(
         ssd_varlen_gpu,
         interpret=True,
-        block_sizes=BlockSizes(
-            state_block_p=4,
-            state_block_n=8,
-            state_lookahead="none",
-            out_block_m=4,
-            out_heads=2,
-            out_x_i="load",
-        ),
+        block_sizes=GpuBlockSizes(state_block_p=4, state_block_n=8, out_block_m=4, out_heads=2),
     ),
 }
 GPU_VARIANTS = ["gpu", "gpu_blocks"]
@@ -152,16 +144,16 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
         ssd_varlen(*args, **kwargs, return_chunk_states=True, state_chunks=cu[:2])
 
 
-# A P-block state pass (16 head-dim rows a program, no look-ahead) and one head an output
-# program with D·x_i from a second load, lowered to Triton on CPU beside the defaults.
-P_BLOCKS = BlockSizes(state_block_p=16, state_lookahead="none", out_heads=1, out_x_i="load")
+# A P-block state pass (16 head-dim rows a program) and one head an output program, lowered
+# to Triton on CPU beside the defaults.
+P_BLOCKS = GpuBlockSizes(state_block_p=16, out_heads=1)
 
 
 @pytest.mark.parametrize(
     "platform, block_sizes, triton_calls",
-    # None: BlockSizes.for_shape (3 sequences x 8 heads: one 8-warp program a pair);
-    # BlockSizes(): the blocks for many sequences.
-    [("tpu", None, 0), ("cuda", None, 3), ("cuda", BlockSizes(), 3), ("cuda", P_BLOCKS, 3)],
+    # None: GpuBlockSizes.get_default (3 sequences x 8 heads: one 8-warp program a pair);
+    # GpuBlockSizes(): the blocks for many sequences.
+    [("tpu", None, 0), ("cuda", None, 3), ("cuda", GpuBlockSizes(), 3), ("cuda", P_BLOCKS, 3)],
 )
 def test_kernel_exports_for_tpu_and_cuda_on_cpu(platform, block_sizes, triton_calls):
     """Nemotron-Nano mixer shapes (P 80, N 128, chunk 128), bf16, initial and tracked states."""

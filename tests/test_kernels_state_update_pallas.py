@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmamba.kernels import selective_state_update, selective_state_update_ref
-from jaxmamba.kernels.state_update_pallas import GpuBlockSizes, selective_state_update_gpu
+from jaxmamba.kernels.state_update.gpu import GpuBlockSizes, selective_state_update_gpu
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 

@@ -13,14 +13,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmamba.kernels.common import matmul_precision
 from jaxmamba.kernels.matmul import MAX_ROWS, small_m_matmul
 
 Dtype = Any
-
-
-def matmul_precision(dtype: Dtype) -> lax.Precision:
-    # fp32 models are the parity reference: keep the MXU/tensor cores from dropping to tf32/bf16.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 class Linear(nn.Module):

@@ -8,7 +8,12 @@ index maps of the initial-state and final-state blocks.
 
 Inputs are regrouped by XLA into the ``[*, NC, *, C]`` chunk grid (positions on lanes), which
 keeps every block (8, 128)-tileable for any P and any chunk offset; the output comes back
-through the inverse gather.
+through the inverse gather. Per chunk the kernel computes, in the transposed domain (``P`` on
+sublanes, chunk positions on lanes, so every matmul is ``A @ B`` or ``A @ Bᵀ``):
+
+* ``yᵀ = xᵀ (B Cᵀ ∘ Lᵀ ∘ dt)``  — the intra-chunk quadratic form (MXU),
+* ``yᵀ += state Cᵀ ∘ exp(cum)``  — the inter-chunk term from the carried state,
+* ``state = exp(cum_last) state + (xᵀ ∘ dt exp(cum_last - cum)) B``.
 
 Notation: T tokens, H heads, P head dim, G groups, N state, S sequences, C chunk, NC chunks.
 """
@@ -16,6 +21,7 @@ Notation: T tokens, H heads, P head dim, G groups, N state, S sequences, C chunk
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +29,85 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .ssd import ChunkLayout, build_chunk_layout, process_dt
-from .ssd_pallas import chunk_meta, chunk_update, gather_tracked
+from ..common import dot, process_dt, tpu_interpret_params
+from .layout import ChunkLayout, build_chunk_layout, to_chunks
 
 
-def interpret_params():
-    """Interpret-mode argument for running the TPU kernel on any backend."""
-    params = getattr(pltpu, "InterpretParams", None)
-    return params() if params is not None else True
+def chunk_update(
+    xt: jax.Array,  # [P, C] dot dtype; zero at empty positions
+    dt_row: jax.Array,  # f32[1, C] processed dt; zero at empty positions
+    a,  # f32 scalar A of the head
+    b: jax.Array,  # [C, N] dot dtype
+    c: jax.Array,  # [C, N] dot dtype
+    state: jax.Array,  # f32[P, N] state entering the chunk
+) -> tuple[jax.Array, jax.Array]:
+    """One chunk of one head: ``(yᵀ f32[P, C], state after the chunk f32[P, N])``.
+
+    Written with 2-D shapes, iotas and keepdims reductions only (no transposes, no scans), so
+    it lowers through Mosaic TPU. Empty positions must arrive with ``dt = 0`` and zero x, B, C.
+    """
+    size = dt_row.shape[1]
+    rows = lax.broadcasted_iota(jnp.int32, (size, size), 0)  # j (source position)
+    cols = lax.broadcasted_iota(jnp.int32, (size, size), 1)  # i (target position)
+    diag = rows == cols
+    da_row = dt_row * a  # [1, C]
+    # Column forms and the inclusive cumsum via masked reductions (no transposes, no scans).
+    dt_col = jnp.sum(jnp.where(diag, dt_row, 0.0), axis=1, keepdims=True)  # [C, 1]
+    cum_col = jnp.sum(jnp.where(cols <= rows, da_row, 0.0), axis=1, keepdims=True)  # [C, 1]
+    cum_row = jnp.sum(jnp.where(diag, cum_col, 0.0), axis=0, keepdims=True)  # [1, C]
+    total = jnp.sum(da_row, axis=1, keepdims=True)  # [1, 1]
+
+    # decay[j, i] = exp(cum_i - cum_j) for j <= i; exponents are <= 0, so nothing overflows.
+    decay = jnp.exp(jnp.where(rows <= cols, cum_row - cum_col, -jnp.inf))  # [Cj, Ci]
+    bc = dot(b, c, (1, 1))  # [Cj, Ci] = B_j · C_i
+    mt = (bc * decay * dt_col).astype(xt.dtype)
+    yt = dot(xt, mt)  # [P, Ci]
+    yt = yt + dot(state.astype(c.dtype), c, (1, 1)) * jnp.exp(cum_row)
+
+    w_row = dt_row * jnp.exp(total - cum_row)  # [1, C] weight of each position in the end state
+    xw = (xt.astype(jnp.float32) * w_row).astype(xt.dtype)
+    new_state = jnp.exp(total) * state + dot(xw, b)  # [P, N]
+    return yt, new_state
 
 
-def _to_chunks(a: jax.Array, token_index: jax.Array) -> jax.Array:
-    """[T, ...] -> [NC, C, ...] in a's dtype; empty positions read an appended zero row."""
-    a = jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
-    return a[token_index]
+class TrackedSlots(NamedTuple):
+    """Which chunks' end states the kernel writes, and to which row (scalar prefetch)."""
+
+    track: jax.Array  # i32[NC] 1 where the end state of the chunk is wanted
+    slot: jax.Array  # i32[NC] rank of the chunk among tracked chunks (monotone, >= 0)
+    num_slots: int  # static rows of the tracked-states output
+
+
+def tracked_slots(
+    nc: int,
+    state_chunks: jax.Array | None,  # i32[K] or None
+    all_chunks: bool,
+) -> TrackedSlots:
+    """Where each requested chunk state goes: one row per tracked chunk, in chunk order."""
+    if all_chunks:
+        track = jnp.ones((nc,), jnp.int32)
+        num_slots = nc
+    elif state_chunks is not None:
+        track = jnp.zeros((nc,), jnp.int32).at[state_chunks].set(1, mode="drop")
+        num_slots = max(1, min(nc, state_chunks.shape[0]))
+    else:
+        track = jnp.zeros((nc,), jnp.int32)
+        num_slots = 1
+    slot = jnp.maximum(jnp.cumsum(track, dtype=jnp.int32) - 1, 0)
+    return TrackedSlots(track, slot, num_slots)
+
+
+def gather_tracked(
+    states: jax.Array,  # [num_slots, H, P, N]
+    meta: TrackedSlots,
+    state_chunks: jax.Array | None,  # i32[K]
+    all_chunks: bool,
+) -> jax.Array | None:
+    if all_chunks:
+        return states
+    if state_chunks is None:
+        return None
+    return states[meta.slot[state_chunks]]
 
 
 def _kernel(
@@ -125,11 +196,9 @@ def ssd_varlen_tpu(
 ):
     """Same contract as :func:`jaxmamba.kernels.ssd.ssd_varlen`.
 
-    ``interpret=True`` means TPU interpret mode (``pltpu.InterpretParams()``) where this jax
-    has it; ``pltpu.InterpretParams(...)`` may also be passed directly.
+    ``interpret=True`` runs it under ``pltpu.InterpretParams()``; explicit params may also be
+    passed.
     """
-    if interpret is True:
-        interpret = interpret_params()
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -139,7 +208,7 @@ def ssd_varlen_tpu(
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)
     nc = layout.token_index.shape[0]
     idx = layout.token_index
-    meta = chunk_meta(layout, num_tokens, state_chunks, return_chunk_states)
+    meta = tracked_slots(nc, state_chunks, return_chunk_states)
 
     # Unused chunks (after the last used one) continue the last used chunk's sequence with no
     # tokens, so they leave its state and its final-state block unchanged. Chunk 0 always
@@ -151,10 +220,10 @@ def ssd_varlen_tpu(
     first_eff = (layout.chunk_first | (jnp.arange(nc) == 0)).astype(jnp.int32)
 
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # f32[T, H]
-    xt = _to_chunks(x, idx).transpose(2, 0, 3, 1)  # [H, NC, P, C]
-    dtc = _to_chunks(dtp, idx).transpose(2, 0, 1)[:, :, None, :]  # f32[H, NC, 1, C]
-    bc = _to_chunks(B, idx).transpose(2, 0, 1, 3)  # [G, NC, C, N]
-    cc = _to_chunks(C, idx).transpose(2, 0, 1, 3)  # [G, NC, C, N]
+    xt = to_chunks(x, idx).transpose(2, 0, 3, 1)  # [H, NC, P, C]
+    dtc = to_chunks(dtp, idx).transpose(2, 0, 1)[:, :, None, :]  # f32[H, NC, 1, C]
+    bc = to_chunks(B, idx).transpose(2, 0, 1, 3)  # [G, NC, C, N]
+    cc = to_chunks(C, idx).transpose(2, 0, 1, 3)  # [G, NC, C, N]
     a = A.astype(jnp.float32)
     d = jnp.zeros((num_heads,), jnp.float32) if D is None else D.astype(jnp.float32)
     # Empty sequences are never visited: their final state is the aliased initial state.
@@ -191,7 +260,7 @@ def ssd_varlen_tpu(
     operands = [a, d, xt, dtc, bc, cc, init]
     if z is not None:
         in_specs.append(xt_spec)
-        operands.append(_to_chunks(z, idx).transpose(2, 0, 3, 1))
+        operands.append(to_chunks(z, idx).transpose(2, 0, 3, 1))
     out_shape = (
         jax.ShapeDtypeStruct(xt.shape, x.dtype),
         jax.ShapeDtypeStruct(init.shape, state_dtype),
@@ -216,7 +285,7 @@ def ssd_varlen_tpu(
         # Operand 10 = init after the 4 scalar-prefetch operands and a, d, xt, dt, B, C.
         input_output_aliases={10: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret,
+        interpret=tpu_interpret_params(interpret),
         name="ssd_varlen_tpu",
     )(seq_eff, first_eff, meta.track, meta.slot, *operands)
 

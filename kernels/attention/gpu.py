@@ -1,7 +1,7 @@
 """Paged causal GQA attention over packed rows as a Pallas GPU kernel (Triton lowering).
 
 Grid ``(NB, Hkv, splits)``: a program takes one query block (up to ``tokens_per_block``
-consecutive tokens of one row, see ``attention_pallas``) and one KV head, and runs an online
+consecutive tokens of one row, see ``blocks.py``) and one KV head, and runs an online
 softmax over the row's K/V up to the block's largest position, ``block_kv`` positions a step.
 Its query tile is ``rows = tokens_per_block x group`` rows — every query head of the KV head's
 group for every token — so the row's K/V of that head is read once per block, and a decode
@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .attention_pallas import build_query_blocks, pow2_at_least
+from ..common import MIN_DOT_DIM, matmul_precision, pow2_at_least, round_up
+from .blocks import build_query_blocks
 
 _F32 = jnp.float32
 
@@ -46,20 +47,21 @@ class GpuBlockSizes:
     min_programs: int = 512
     min_split_kv: int = 256
 
+    @classmethod
+    def get_default(cls) -> GpuBlockSizes:
+        return cls()
+
     def query_rows(self, num_tokens: int, num_rows: int, group: int) -> int:
-        """Tile rows: enough for a row's average share of tokens, at least 16 and ``group``."""
+        """Tile rows: enough for a row's average share of tokens, at least MIN_DOT_DIM and
+        ``group``."""
         per_row = -(-num_tokens // max(num_rows, 1))
         cap = max(self.max_rows, pow2_at_least(group))
-        return min(cap, max(16, pow2_at_least(group * per_row)))
+        return min(cap, max(MIN_DOT_DIM, pow2_at_least(group * per_row)))
 
     def splits(self, programs: int, context: int) -> int:
         if programs >= self.min_programs:
             return 1
         return max(1, min(-(-self.min_programs // programs), context // self.min_split_kv))
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _kernel(
@@ -95,7 +97,7 @@ def _kernel(
     token = start + token_in_block
     head = kv_head * group + lax.rem(r, group)
     row_ok = token_in_block < length
-    d = jnp.arange(pow2_at_least(max(head_dim, 16)), dtype=jnp.int32)
+    d = jnp.arange(pow2_at_least(max(head_dim, MIN_DOT_DIM)), dtype=jnp.int32)
 
     def mask(ok):  # ok [n] -> [n, Dh']: also masks the head-dim padding, where there is any
         if d.shape[0] == head_dim:
@@ -105,7 +107,7 @@ def _kernel(
     q_mask = mask(row_ok)
     q = pltriton.load(q_ref.at[token[:, None], head[:, None], d[None, :]], mask=q_mask, other=0)
     pos = pltriton.load(positions_ref.at[token], mask=row_ok, other=-1)
-    precision = lax.Precision.HIGHEST if q.dtype == _F32 else None
+    precision = matmul_precision(q.dtype)
 
     lo = part * split_len
     hi = jnp.minimum(lo + split_len, max_pos + 1)
@@ -167,20 +169,20 @@ def paged_attention_gpu(
     block_sizes: GpuBlockSizes | None = None,
 ) -> jax.Array:
     """Same contract as :func:`jaxmamba.kernels.attention.paged_attention` (plus the layout
-    contract of ``attention_pallas``)."""
-    bs = block_sizes or GpuBlockSizes()
+    contract of ``blocks.py``)."""
+    bs = block_sizes or GpuBlockSizes.get_default()
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_rows, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
-    if bs.block_kv < 16 or bs.block_kv != pow2_at_least(bs.block_kv):
-        raise ValueError(f"block_kv must be a power of two >= 16, got {bs.block_kv}")
+    if bs.block_kv < MIN_DOT_DIM or bs.block_kv != pow2_at_least(bs.block_kv):
+        raise ValueError(f"block_kv must be a power of two >= {MIN_DOT_DIM}, got {bs.block_kv}")
     rows = bs.query_rows(num_tokens, num_rows, group)
     blocks = build_query_blocks(token_rows, token_positions, num_rows, rows // group)
     num_blocks = blocks.start.shape[0]
     context = max_pages * page_size
     splits = bs.splits(num_blocks * num_kv_heads, context)
-    split_len = _round_up(-(-context // splits), bs.block_kv)
+    split_len = round_up(-(-context // splits), bs.block_kv)
 
     flat_shape = (-1, num_kv_heads, head_dim)  # a bitcast: pages are contiguous
     if splits == 1:

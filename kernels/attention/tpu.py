@@ -2,7 +2,7 @@
 interpret-mode kernel).
 
 Grid ``(NB,)``: one program per query block (up to ``tokens_per_block`` consecutive tokens
-of one row, see ``attention_pallas``). XLA regroups the queries into ``[NB, Hkv, rows, Dh]``
+of one row, see ``blocks.py``). XLA regroups the queries into ``[NB, Hkv, rows, Dh]``
 tiles (tile row ``i * group + j`` is token ``i``, query head ``kv_head * group + j``), so each
 KV head's query heads form one 2-D matmul operand. The program walks its row's pages up to
 the block's largest position, ``pages_per_step`` pages a step: it DMAs whole pages
@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .attention_pallas import build_query_blocks
+from ..common import matmul_precision, round_up, tpu_interpret_params
+from .blocks import build_query_blocks
 
 _F32 = jnp.float32
 
@@ -39,15 +40,13 @@ class TpuBlockSizes:
     max_rows: int = 128  # query rows (tokens x group) a program
     kv_per_step: int = 256  # K/V positions fetched a step (whole pages, at least one)
 
+    @classmethod
+    def get_default(cls) -> TpuBlockSizes:
+        return cls()
+
     def tokens_per_block(self, num_tokens: int, num_rows: int, group: int) -> int:
         per_row = -(-num_tokens // max(num_rows, 1))
         return max(1, min(per_row, self.max_rows // group))
-
-
-def interpret_params(interpret):
-    if interpret is True:
-        return pltpu.InterpretParams()
-    return interpret
 
 
 def _kernel(
@@ -102,7 +101,7 @@ def _kernel(
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, _F32)
     l_scr[...] = jnp.zeros(l_scr.shape, _F32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, _F32)
-    precision = lax.Precision.HIGHEST if q_ref.dtype == _F32 else None
+    precision = matmul_precision(q_ref.dtype)
 
     @pl.when(num_steps > 0)
     def _():
@@ -158,9 +157,9 @@ def paged_attention_tpu(
     block_sizes: TpuBlockSizes | None = None,
 ) -> jax.Array:
     """Same contract as :func:`jaxmamba.kernels.attention.paged_attention` (plus the layout
-    contract of ``attention_pallas``). ``interpret=True`` runs under
+    contract of ``blocks.py``). ``interpret=True`` runs under
     ``pltpu.InterpretParams()``."""
-    bs = block_sizes or TpuBlockSizes()
+    bs = block_sizes or TpuBlockSizes.get_default()
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_rows, max_pages = page_table.shape
@@ -169,7 +168,7 @@ def paged_attention_tpu(
     blocks = build_query_blocks(token_rows, token_positions, num_rows, tokens_per_block)
     num_blocks = blocks.start.shape[0]
     sublanes = 8 * max(1, 4 // q.dtype.itemsize)
-    rows = -(-(tokens_per_block * group) // sublanes) * sublanes
+    rows = round_up(tokens_per_block * group, sublanes)
     pages_per_step = max(1, min(max_pages, bs.kv_per_step // page_size))
 
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -209,7 +208,7 @@ def paged_attention_tpu(
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret_params(interpret),
+        interpret=tpu_interpret_params(interpret),
         name="paged_attention_tpu",
     )(
         blocks.row,

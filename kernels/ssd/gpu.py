@@ -12,7 +12,7 @@
    metadata. It writes each chunk's *entering* state (``[NC, H, N, P]`` in the dot dtype:
    the output pass feeds it to a matmul anyway), the final states and the requested chunk
    states (``[., H, P, N]``, state dtype), each straight into every output row that asks for
-   it (``ssd_pallas.tracked_requests``): no gather copies them afterwards.
+   it (``layout.tracked_requests``): no gather copies them afterwards.
 2. **Output pass**, grid ``(H / out_heads, C / out_block_m, NC)``: every (heads of one group,
    block of target rows, chunk) loads C_i and the chunk's B once, computes ``C_i·Bᵀ`` once
    (it is the same for every head of a group), then loops over its heads computing
@@ -31,8 +31,10 @@ starting at the chunk's first token: no regrouping pass, no padding copy. Triton
 power-of-two blocks: N is padded to a power of two, and the head dim is covered by
 power-of-two pieces (80 = 64 + 16), both masked, never padded in memory.
 
-Why the Triton lowering and not Mosaic GPU: see ``scripts/bench_ssd.py``'s docstring.
-The block sizes and the designs that lost to these: ``docs/ssd_gpu_notes.md``.
+Why the Triton lowering: a chunk is a window of C rows at any token offset, which masked
+pointer loads express directly; Mosaic GPU's TMA/WGMMA path wants tile-aligned windows (a
+regrouping copy of x). Mosaic GPU was not measured for this op. The design and its
+measurements: ``docs/kernels/ssd_gpu.md``.
 
 Notation: T tokens, H heads, P head dim, G groups, N state, S sequences, C chunk, NC chunks."""
 
@@ -48,19 +50,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .ssd import ChunkLayout, build_chunk_layout
-from .ssd_pallas import chunk_tokens, tracked_requests
-
-MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
+from ..common import MIN_DOT_DIM, dot, pow2_at_least, process_dt
+from .layout import ChunkLayout, build_chunk_layout, chunk_tokens, tracked_requests
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    # Defaults: the fourth and fifth sessions' sweeps on the H200 (docs/benchmarks.md,
-    # 2026-11-29). 1x8192, state pass alone: 0.206 ms, against 0.393 ms for the P-major pass
-    # before it. Full call: 0.530 ms with 16 heads an output program, against 0.611 ms for the
-    # best output pass before it (2 heads a program, no loop); 0.504 ms with D on the
-    # diagonal. ``for_shape`` picks other state-pass blocks for few sequences.
+class GpuBlockSizes:
+    """Blocks of the three passes (powers of two where marked).
+
+    D·x_i is added on the diagonal of the intra-chunk matrix before its cast to the dot dtype,
+    so the matmul with x_j adds it: no second load of x_i, and D is rounded to the dot dtype
+    with that matrix's entries (bf16: a relative 2^-9 of the diagonal entry). The state pass
+    carries the next chunk's decay, tracking requests and position weights a step ahead, so
+    no load of them sits on the serial chain.
+
+    Defaults: the SSD sweeps on the H200 (``scripts/bench_ssd.py --sweep``, docs/benchmarks.md);
+    ``get_default`` picks other state-pass blocks for few sequences.
+    """
+
     # Head-dim rows per state-pass program (power of two). At least the head dim: the whole
     # head dim in one program, in power-of-two pieces (80 = 64 + 16), B's tile loaded once a
     # step for all of it.
@@ -68,51 +75,24 @@ class BlockSizes:
     state_block_n: int = 64  # state rows per state-pass program (power of two)
     state_warps: int = 4
     state_stages: int = 2
-    # What of the next chunk the state pass's step prepares, carried in the loop:
-    # * "none": nothing. The pipeliner prefetches x, B and the weights but loads the decay
-    #   and the tracking requests in the step that uses them (offline, Triton 3.6, sm_90a):
-    #   two load latencies a step on the serial chain.
-    # * "factors": its decay, tracking requests and position weights (the default).
-    # Computing its whole Bᵀ·(x∘w) a step ahead as well, off the serial chain, measured the
-    # same as "factors" (0.227 against 0.226 ms, fifth session) and was removed.
-    state_lookahead: str = "factors"
     out_block_m: int = 64  # target rows per output-pass program (power of two)
     out_warps: int = 4
     out_stages: int = 2
-    # Heads of one group per output-pass program, looped: they share C_i, B and C·Bᵀ.
+    # Heads of one group per output-pass program (power of two), looped: they share C_i, B
+    # and C·Bᵀ.
     out_heads: int = 16
-    # How the output pass adds D·x_i:
-    # * "diagonal" (default): D is added to the diagonal of the intra-chunk matrix before its
-    #   cast to the dot dtype, so the matmul with x_j adds D·x_i. No load, no extra work; D
-    #   is rounded to the dot dtype with that matrix's entries (bf16: a relative 2^-9 of the
-    #   diagonal entry, the rounding every entry of that matrix already has). Full call on
-    #   1x8192: 0.504 ms against 0.531 ms for "load" (fifth session).
-    # * "load": D·x_i in float32 from a second, synchronous load of rows the x_j tile
-    #   already holds (the loop's only loads the pipeliner does not prefetch, with cum_i).
-    # A 0/1 selection matrix times x_j (exact, one more matmul) took 0.709 ms: its tile in
-    # shared memory left room for one program an SM. Removed.
-    out_x_i: str = "diagonal"
 
     @classmethod
-    def get_default(cls) -> BlockSizes:
-        return cls()
-
-    @classmethod
-    def for_shape(cls, num_seqs: int, num_heads: int) -> BlockSizes:
-        """The default for ``num_seqs`` sequences of ``num_heads`` heads. With at most 128
-        (sequence, head) pairs (one sequence of Nemotron-H's 128 heads), the state pass's
-        programs are a single wave however they are cut, each walking its sequence's chunks
-        in series; there, one program of 8 warps per pair (the whole state, N block 128) with a
-        3-deep pipeline (its shared memory leaves one program an SM) took 0.312 ms on 1x16384
-        against 0.434 ms for the default, which keeps more programs an SM where sequences are
-        many (64x256: 0.723 ms against 0.755; fifth session, H200)."""
+    def get_default(cls, num_seqs: int, num_heads: int) -> GpuBlockSizes:
+        """The blocks for ``num_seqs`` sequences of ``num_heads`` heads. With at most 128
+        (sequence, head) pairs the state pass's programs are a single wave however they are
+        cut, each walking its sequence's chunks in series: there, one program of 8 warps per
+        pair (the whole state, N block 128) with a 3-deep pipeline (its shared memory leaves
+        one program an SM); more pairs keep more, smaller programs an SM (1x16384: 0.312
+        against 0.434 ms; 64x256: 0.723 against 0.755 ms, ``bench_ssd.py --sweep``)."""
         if num_seqs * num_heads <= 128:
             return cls(state_block_n=128, state_warps=8, state_stages=3)
         return cls()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _pieces(n: int) -> tuple[tuple[int, int], ...]:
@@ -125,17 +105,6 @@ def _pieces(n: int) -> tuple[tuple[int, int], ...]:
         offset += size
         remaining -= size
     return tuple(pieces)
-
-
-def _softplus(v):
-    return jnp.maximum(v, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(v)))
-
-
-def _dot(a, b, contract: tuple[int, int]):
-    """2-D matmul contracting ``a``'s and ``b``'s given dims, float32 accumulation."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _dt_kernel(
@@ -160,10 +129,8 @@ def _dt_kernel(
         pos = jnp.arange(chunk_size)
         t_ok = pos < count
         dt = plgpu.load(dt_ref.at[pl.ds(lo_ref[chunk], chunk_size), h], mask=t_ok, other=0.0)
-        dt = dt.astype(jnp.float32) + bias_ref[h]
-        if dt_softplus:
-            dt = _softplus(dt)
-        dt = jnp.where(t_ok, jnp.clip(dt, dt_limit[0], dt_limit[1]), 0.0)  # empty: no decay
+        dt = process_dt(dt, bias_ref[h], dt_softplus, dt_limit)
+        dt = jnp.where(t_ok, dt, 0.0)  # empty positions: no decay
         cum = lax.cumsum(dt * a_ref[h], axis=0)
         total = jnp.sum(jnp.where(pos == chunk_size - 1, cum, 0.0))  # cum[-1], exactly
         dt_out_ref[chunk, h, :] = dt
@@ -193,7 +160,6 @@ def _state_kernel(
     block_n: int,
     p_pieces: tuple[tuple[int, int], ...],
     has_init: bool,
-    lookahead: str,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
@@ -240,7 +206,7 @@ def _state_kernel(
     def contribution(b, x, weight):
         """Bᵀ [N, C] · (x ∘ weight) [C, P piece]: what the chunk adds to one state piece."""
         xw = (x.astype(jnp.float32) * weight[:, None]).astype(x_ref.dtype)
-        return _dot(b, xw, (0, 0))
+        return dot(b, xw, (0, 0))
 
     def advance(chunk, states, b, xs, weight, decay, requests):
         """Store the states entering ``chunk``, step them over it, store them into each
@@ -275,10 +241,7 @@ def _state_kernel(
         states, ahead = carry  # ``ahead``: what the previous step prepared of chunk j
         following = jnp.minimum(j + 1, seq_chunks - 1)
         b, xs = chunk_loads(j)
-        if lookahead == "factors":
-            (weight, decay, requests), ahead = ahead, chunk_factors(first + following)
-        else:
-            weight, decay, requests = chunk_factors(first + j)
+        (weight, decay, requests), ahead = ahead, chunk_factors(first + following)
         return advance(first + j, states, b, xs, weight, decay, requests), ahead
 
     def initial_state(p_slice, p_ok):
@@ -290,7 +253,7 @@ def _state_kernel(
     states = tuple(initial_state(p_slice, p_ok) for p_slice, p_ok in pieces)
     # ``first`` is a real chunk even for an empty sequence (build_chunk_layout), so the
     # look-ahead before the loop reads in bounds.
-    ahead = chunk_factors(first) if lookahead == "factors" else ()
+    ahead = chunk_factors(first)
     states, _ = lax.fori_loop(0, seq_chunks, step, (states, ahead))
     for state, (p_slice, p_ok) in zip(states, pieces, strict=True):
         plgpu.store(
@@ -319,7 +282,6 @@ def _output_kernel(
     block_m: int,
     block_n: int,
     has_z: bool,
-    x_i_how: str,
 ):
     z_ref = rest[0] if has_z else None
     y_ref = rest[-1]
@@ -349,9 +311,9 @@ def _output_kernel(
         b = plgpu.load(
             b_ref.at[rows_j, g, n_slice], mask=j_ok[:, None] & n_ok[None, :], other=0.0
         ).astype(dot_dtype)
-        cb = _dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
-        # Where source row j is target row i: D's entries of the matrix ("diagonal").
-        diagonal = i_pos[:, None] == j_pos[None, :] if x_i_how == "diagonal" else None
+        cb = dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
+        # Where source row j is target row i: D's entries of the matrix.
+        diagonal = i_pos[:, None] == j_pos[None, :]
 
         def head(k, carry):
             h = first_head + k
@@ -359,9 +321,7 @@ def _output_kernel(
             cum_i = cum_ref[chunk, h, target]
             seg = jnp.where(causal, cum_i[:, None] - cum_j[None, :], -jnp.inf)
             m = cb * jnp.exp(seg) * dt_j[None, :]
-            if diagonal is not None:
-                m = jnp.where(diagonal, m + d_ref[h], m)
-            m = m.astype(dot_dtype)
+            m = jnp.where(diagonal, m + d_ref[h], m).astype(dot_dtype)
             decay_i = jnp.exp(cum_i)[:, None]
             for p_slice, p_ok in pieces:
                 x_j = plgpu.load(
@@ -372,13 +332,8 @@ def _output_kernel(
                     mask=n_ok[:, None] & p_ok[None, :],
                     other=0.0,
                 )
-                inter = _dot(c_i, s_in, (1, 0))
-                y = inter * decay_i + _dot(m, x_j, (1, 0))
-                if x_i_how == "load":
-                    x_i = plgpu.load(
-                        x_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
-                    )
-                    y = y + d_ref[h] * x_i.astype(jnp.float32)
+                inter = dot(c_i, s_in)
+                y = inter * decay_i + dot(m, x_j)
                 if z_ref is not None:
                     zv = plgpu.load(
                         z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
@@ -425,13 +380,13 @@ def ssd_varlen_gpu(
     return_chunk_states: bool = False,
     state_chunks: jax.Array | None = None,  # i32[K]
     interpret: bool = False,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: GpuBlockSizes | None = None,
 ):
     """Same contract as :func:`jaxmamba.kernels.ssd.ssd_varlen`."""
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     num_seqs = cu_seqlens.shape[0] - 1
-    bs = block_sizes or BlockSizes.for_shape(num_seqs, num_heads)
+    bs = block_sizes or GpuBlockSizes.get_default(num_seqs, num_heads)
     for name, value in (
         ("chunk_size", chunk_size),
         ("state_block_p", bs.state_block_p),
@@ -439,12 +394,8 @@ def ssd_varlen_gpu(
         ("out_block_m", bs.out_block_m),
         ("out_heads", bs.out_heads),
     ):
-        if value != _pow2(value):
+        if value != pow2_at_least(value):
             raise ValueError(f"Triton SSD kernels need a power-of-two {name}, got {value}")
-    if bs.out_x_i not in ("load", "diagonal"):
-        raise ValueError(f"out_x_i must be 'load' or 'diagonal', got {bs.out_x_i!r}")
-    if bs.state_lookahead not in ("none", "factors"):
-        raise ValueError(f"state_lookahead must be 'none' or 'factors', got {bs.state_lookahead!r}")
     state_dtype = jnp.float32 if initial_states is None else initial_states.dtype
     if layout is None:
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)
@@ -456,7 +407,7 @@ def ssd_varlen_gpu(
         lengths > 0, layout.seq_last_chunk - layout.seq_first_chunk + 1, 0
     ).astype(jnp.int32)
     f32 = jnp.float32
-    block_n = _pow2(state_size)
+    block_n = pow2_at_least(state_size)
     heads_per_group = num_heads // num_groups
     # Heads per output program: a power of two, so gcd is the largest that divides the group.
     out_heads = math.gcd(bs.out_heads, heads_per_group)
@@ -484,7 +435,7 @@ def ssd_varlen_gpu(
     )
 
     # Pass 1: the serial walk over each sequence's chunks, carrying only the states.
-    block_p = min(bs.state_block_p, _pow2(head_dim))
+    block_p = min(bs.state_block_p, pow2_at_least(head_dim))
     # A program holding the whole head dim covers it in power-of-two pieces (80 = 64 + 16).
     p_pieces = _pieces(head_dim) if block_p >= head_dim else ((0, block_p),)
     state_block_n = min(bs.state_block_n, block_n)
@@ -516,7 +467,6 @@ def ssd_varlen_gpu(
             block_n=state_block_n,
             p_pieces=p_pieces,
             has_init=initial_states is not None,
-            lookahead=bs.state_lookahead,
         ),
         grid=(
             num_heads,
@@ -560,7 +510,6 @@ def ssd_varlen_gpu(
             block_m=block_m,
             block_n=block_n,
             has_z=z is not None,
-            x_i_how=bs.out_x_i,
         ),
         grid=(num_heads // out_heads, chunk_size // block_m, nc),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -14,38 +14,32 @@ from jaxmamba.kernels import (
     causal_conv1d_varlen,
     causal_conv1d_varlen_ref,
 )
-from jaxmamba.kernels.conv1d_pallas import (
-    ConvUpdateBlockSizes,
-    ConvVarlenBlockSizes,
+from jaxmamba.kernels.conv1d.gpu import (
+    VarlenGpuBlockSizes,
     causal_conv1d_update_gpu,
     causal_conv1d_varlen_gpu,
-    causal_conv1d_varlen_tpu,
+    silu,
 )
+from jaxmamba.kernels.conv1d.tpu import VarlenTpuBlockSizes, causal_conv1d_varlen_tpu
 
+# float32 runs the exact SiLU; bf16 the tanh form (interpret mode: its emulation, see gpu.py).
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Small tiles, so the sweep crosses tile boundaries (sequence starts in the middle of a tile,
 # K-1 halo rows from the previous tile) without many interpret-mode grid steps.
-SMALL = ConvVarlenBlockSizes(tpu_tokens=16, tpu_channels=128, gpu_tokens=8, gpu_channels=64)
-# The GPU kernel's variants (the bench sweeps them on the device): the per-tile fast path is
-# taken by the tiles inside a long sequence (e.g. tokens 32..39 of the first case), the
-# general path by the others; tokens past T (5 padding + a ragged last tile) in every case.
+SMALL_TPU = VarlenTpuBlockSizes(tokens=16, channels=128)
+SMALL_GPU = VarlenGpuBlockSizes(tokens=8, channels=64)
+# The GPU kernel's interior path is taken by the spans inside a long sequence (e.g. tokens
+# 32..39 of the first case), the general path by the others; tokens past T (5 padding + a
+# ragged last tile) in every case.
 GPU_VARIANTS = {
-    "gpu": SMALL,  # the defaults: 4 tiles a program, the window carried, tanh SiLU
-    # One shifted tile a program, its loads issued before the decision (preload).
-    "gpu_tile_one": dataclasses.replace(
-        SMALL, gpu_tiles=1, gpu_carry_window=False, gpu_silu="sigmoid"
-    ),
-    "gpu_tile_no_preload": dataclasses.replace(SMALL, gpu_tiles=1, gpu_preload=False),
+    "gpu": SMALL_GPU,  # the defaults: 4 tiles a program
+    "gpu_tile_one": dataclasses.replace(SMALL_GPU, tiles=1),
     # 2-token tiles, 4 a program: programs on either path (tokens 32..39 of the first case on
-    # the fast one); the last program's last tile lies past T.
-    "gpu_tile_loop": dataclasses.replace(SMALL, gpu_tokens=2, gpu_tiles=4),
-    # The same span as shifted 2-D tiles instead of 1-D rows carrying the window.
-    "gpu_shifted_tiles": dataclasses.replace(
-        SMALL, gpu_tokens=2, gpu_tiles=4, gpu_carry_window=False, gpu_silu="exp2_rcp"
-    ),
+    # the interior one); the last program's last tile lies past T.
+    "gpu_tile_loop": dataclasses.replace(SMALL_GPU, tokens=2, tiles=4),
 }
 VARLEN = {
-    "tpu": functools.partial(causal_conv1d_varlen_tpu, interpret=True, block_sizes=SMALL),
+    "tpu": functools.partial(causal_conv1d_varlen_tpu, interpret=True, block_sizes=SMALL_TPU),
     **{
         name: functools.partial(causal_conv1d_varlen_gpu, interpret=True, block_sizes=sizes)
         for name, sizes in GPU_VARIANTS.items()
@@ -54,11 +48,6 @@ VARLEN = {
 UPDATE = {
     "tpu": functools.partial(causal_conv1d_update, impl="interpret"),
     "gpu": functools.partial(causal_conv1d_update_gpu, interpret=True),
-    "gpu_sigmoid": functools.partial(
-        causal_conv1d_update_gpu,
-        interpret=True,
-        block_sizes=ConvUpdateBlockSizes(gpu_silu="sigmoid"),
-    ),
 }
 
 
@@ -173,25 +162,43 @@ def test_conv_update_kernel_matches_reference_and_numpy(
     np.testing.assert_array_equal(new_pool[slots[real]], window[:, 1:].astype(np.float32))
 
 
-@pytest.mark.parametrize(
-    "sizes",
-    [
-        ConvVarlenBlockSizes(gpu_tokens=12),
-        ConvVarlenBlockSizes(gpu_silu="fast"),
-    ],
-)
-def test_conv_varlen_gpu_rejects_unknown_silu_and_non_pow2_tile(sizes):
+def test_conv_varlen_gpu_rejects_non_pow2_tile():
     x = jnp.ones((16, 64), jnp.float32)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="power-of-two"):
         causal_conv1d_varlen_gpu(
-            x, x[:4], None, jnp.asarray([0, 16], jnp.int32), interpret=True, block_sizes=sizes
-        )
-
-
-def test_conv_update_gpu_rejects_unknown_silu():
-    pool, x = jnp.ones((3, 3, 64), jnp.float32), jnp.ones((1, 64), jnp.float32)
-    with pytest.raises(ValueError, match="gpu_silu"):
-        causal_conv1d_update_gpu(
-            pool, x, x.repeat(4, 0), None, jnp.asarray([0], jnp.int32), interpret=True,
-            block_sizes=ConvUpdateBlockSizes(gpu_silu="fast"),
+            x, x[:4], None, jnp.asarray([0, 16], jnp.int32), interpret=True,
+            block_sizes=VarlenGpuBlockSizes(tokens=12),
         )  # fmt: skip
+
+
+def test_gpu_conv_float32_default_is_the_exact_silu():
+    """float32 inputs take the exact SiLU on the GPU by default: in interpret mode the kernels
+    match the reference to float32 rounding, far below the tanh form's error."""
+    rng = np.random.default_rng(7)
+    dim, width = 64, 4
+    x = jnp.asarray(3 * rng.standard_normal((40, dim)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((width, dim)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+    cu = jnp.asarray([0, 3, 29, 40], jnp.int32)
+    init = jnp.asarray(rng.standard_normal((3, width - 1, dim)), jnp.float32)
+    args, kw = (x, weight, bias, cu), dict(initial_states=init)
+    y = causal_conv1d_varlen_gpu(*args, **kw, interpret=True, block_sizes=SMALL_GPU)[0]
+    y_ref = causal_conv1d_varlen_ref(*args, **kw)[0]
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+
+    pool = jnp.asarray(rng.standard_normal((5, width - 1, dim)), jnp.float32)
+    slots = jnp.asarray([3, 0, 4], jnp.int32)
+    update_args = (pool, x[:3], weight, bias, slots)
+    y = causal_conv1d_update_gpu(*update_args, interpret=True)[0]
+    np.testing.assert_allclose(y, causal_conv1d_update_ref(*update_args)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_silu_tanh_form_runs_its_approximation_in_interpret_mode():
+    """The bf16 kernels' tanh form is an approximation in interpret mode too (tanh rounded to
+    16 significant bits), within that rounding of the exact SiLU; the exact form is exact."""
+    y = jnp.linspace(-30.0, 30.0, 20001, dtype=jnp.float32)
+    exact = np.asarray(y, np.float64) / (1.0 + np.exp(-np.asarray(y, np.float64)))
+    np.testing.assert_allclose(silu(y, approx=False, interpret=True), exact, rtol=1e-6, atol=1e-7)
+    err = np.abs(np.asarray(silu(y, approx=True, interpret=True), np.float64) - exact)
+    assert err.max() > 1e-7  # not the exact function
+    assert np.all(err <= 2.0**-16 * np.abs(np.asarray(y)) / 2 + 1e-6)

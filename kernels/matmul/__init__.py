@@ -1,35 +1,20 @@
 """Small-M matmul ``y[M, N] = x[M, K] @ W[K, N]`` for decode (M <= 16 rows), and its reference.
 
 At decode the dense projections are weight-streaming GEMVs: the time is reading W once from
-HBM, the FLOPs are negligible. The Pallas GPU kernel (``matmul_pallas_gpu.py``) is built to
-stream W at HBM bandwidth; the reference is XLA's ``jnp.dot`` with float32 accumulation.
+HBM, the FLOPs are negligible. The Pallas GPU kernel (``gpu.py``) is built to stream W at HBM
+bandwidth; the reference (``ref.py``) is XLA's ``jnp.dot`` with float32 accumulation. No TPU
+kernel: ``impl="auto"`` runs the reference there.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from .dispatch import select_impl
-from .matmul_pallas_gpu import MAX_ROWS, small_m_matmul_gpu
+from ..dispatch import select_impl
+from .gpu import MAX_ROWS, small_m_matmul_gpu
+from .ref import small_m_matmul_ref
 
 __all__ = ["MAX_ROWS", "small_m_matmul", "small_m_matmul_ref"]
-
-
-def _precision(dtype) -> lax.Precision:
-    # float32 operands are the parity reference: keep tensor cores from dropping to tf32.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
-def small_m_matmul_ref(
-    x: jax.Array,  # [M, K]
-    w: jax.Array,  # [K, N]
-    *,
-    out_dtype=None,
-) -> jax.Array:
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=_precision(x.dtype))
-    return y.astype(out_dtype or x.dtype)
 
 
 def small_m_matmul(

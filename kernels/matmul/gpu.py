@@ -36,12 +36,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-MAX_ROWS = 16  # rows of x the kernel takes (decode buckets)
-MIN_DOT_DIM = 16  # Triton's smallest dot edge: x's rows are padded to it in registers
+from ..common import MIN_DOT_DIM, matmul_precision, pow2_at_least
+
+MAX_ROWS = 16  # rows of x the kernel takes (decode buckets); fewer are padded to MIN_DOT_DIM
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class GpuBlockSizes:
     """Tiles and launch shape. ``split_k=None`` picks the smallest power of two giving at
     least ``min_programs`` programs (2 per SM of an H100/H200), capped so that every split
     keeps at least ``min_steps`` tiles of K."""
@@ -58,7 +59,7 @@ class BlockSizes:
     single_row_fma: bool = False
 
     @classmethod
-    def get_default(cls) -> BlockSizes:
+    def get_default(cls) -> GpuBlockSizes:
         return cls()
 
     def splits(self, k: int, n: int) -> int:
@@ -74,22 +75,22 @@ class BlockSizes:
 
 # Variants ``scripts/bench_gemv.py --sweep`` times beside the default.
 SWEEP = (
-    BlockSizes(),
-    BlockSizes(block_n=64),
-    BlockSizes(block_n=256, num_warps=8),
-    BlockSizes(block_k=128),
-    BlockSizes(block_k=128, num_stages=3),
-    BlockSizes(block_k=32, num_stages=6),
-    BlockSizes(num_warps=8),
-    BlockSizes(num_stages=3),
-    BlockSizes(num_stages=6),
-    BlockSizes(split_k=1),
-    BlockSizes(min_programs=528),
-    BlockSizes(block_n=64, min_programs=528),
-    BlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=5),
-    BlockSizes(single_row_fma=True),
-    BlockSizes(single_row_fma=True, block_k=32, num_stages=3),
-    BlockSizes(single_row_fma=True, block_n=256, block_k=32, num_warps=8),
+    GpuBlockSizes(),
+    GpuBlockSizes(block_n=64),
+    GpuBlockSizes(block_n=256, num_warps=8),
+    GpuBlockSizes(block_k=128),
+    GpuBlockSizes(block_k=128, num_stages=3),
+    GpuBlockSizes(block_k=32, num_stages=6),
+    GpuBlockSizes(num_warps=8),
+    GpuBlockSizes(num_stages=3),
+    GpuBlockSizes(num_stages=6),
+    GpuBlockSizes(split_k=1),
+    GpuBlockSizes(min_programs=528),
+    GpuBlockSizes(block_n=64, min_programs=528),
+    GpuBlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=5),
+    GpuBlockSizes(single_row_fma=True),
+    GpuBlockSizes(single_row_fma=True, block_k=32, num_stages=3),
+    GpuBlockSizes(single_row_fma=True, block_n=256, block_k=32, num_warps=8),
 )
 
 
@@ -114,7 +115,7 @@ def _kernel(
     k_edge = split_k * steps * block_k > k_total
     n_mask = (cols < n_total)[None, :] if n_total % block_n else None
     row_mask = (row_ids < num_rows)[:, None] if block_rows > num_rows else None
-    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+    precision = matmul_precision(x_ref.dtype)
 
     def both(a, b):
         return b if a is None else a if b is None else a & b
@@ -156,9 +157,9 @@ def small_m_matmul_gpu(
     *,
     out_dtype=None,
     interpret: bool = False,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: GpuBlockSizes | None = None,
 ) -> jax.Array:
-    bs = block_sizes or BlockSizes.get_default()
+    bs = block_sizes or GpuBlockSizes.get_default()
     rows, k = x.shape
     n = w.shape[1]
     if rows > MAX_ROWS:
@@ -171,7 +172,7 @@ def small_m_matmul_gpu(
     split_k = bs.splits(k, n)
     steps = pl.cdiv(pl.cdiv(k, split_k), bs.block_k)
     fma = bs.single_row_fma and rows == 1
-    block_rows = 1 if fma else max(MIN_DOT_DIM, 1 << (rows - 1).bit_length())
+    block_rows = 1 if fma else max(MIN_DOT_DIM, pow2_at_least(rows))
     if split_k == 1:
         out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
     else:

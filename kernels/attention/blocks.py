@@ -1,4 +1,4 @@
-"""What the Pallas paged-attention kernels share: the query blocks of a packed step.
+"""What the paged-attention kernels share: the query blocks of a packed step.
 
 Both kernels give one program a **query block**: up to ``tokens_per_block`` consecutive tokens
 of one row, so the program reads that row's K/V pages once for all of its tokens (and, per KV
@@ -68,7 +68,3 @@ def build_query_blocks(
         token_block=token_block,
         token_offset=t - start[jnp.minimum(token_block, num_blocks - 1)],
     )
-
-
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
