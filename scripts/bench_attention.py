@@ -1,4 +1,5 @@
-"""Benchmark the Pallas GPU paged-attention kernel against the XLA reference on one GPU.
+"""Benchmark paged attention (``paged_attention``) on one GPU: our Pallas kernel against the
+XLA reference (``impl="ref"``).
 
 Nemotron-Nano-9B-v2 attention shapes (40 query / 8 KV heads of 128, no RoPE), bf16 queries
 and KV cache of ``--page-size``-token pages (the engine's default, 16), pages assigned at
@@ -7,39 +8,31 @@ random. Cases: prefill 1x8192 and 8x2048 (whole prompts from position 0), decode
 step laid out as the engine lays it out (64 decode rows at context 2048, two 1024-token
 extends after 1024 cached tokens, padding tokens on a row of NaN pad pages).
 
-Per case the kernel's output is checked against the reference (``impl="ref"``) first. Times
-are the median of ``--reps`` runs of ``--steps`` calls inside one jitted program (``lax.scan``,
-so no per-call dispatch), each call on another page table and query set over a page pool of
-at least 256 MB, so K/V do not stay in L2. Roofline = max(bytes / 4.3 TB/s, FLOPs / 800
-TFLOP/s), bytes = queries + outputs + each row's K/V once per KV head, FLOPs = 4 Dh per
-visible (query head, key) pair. ``--sweep`` also times a few block-size variants.
+Per case the kernel's output is checked against the reference first. A program runs
+``--attention-steps`` calls (``lax.scan``, so no per-call dispatch), each on another page
+table and query set over a page pool of at least 256 MB, so K/V do not stay in L2. Roofline:
+the longer of the bytes (queries, outputs and each row's K/V once per KV head) and the
+FLOPs (4 Dh per visible query-head/key pair).
 
-    python scripts/bench_attention.py [--sweep]      # on the GPU
-    python scripts/bench_attention.py --smoke        # CPU: interpret mode, toy shapes
+    python scripts/bench_attention.py [--sweep] [--page-size 16] [--reps 30]
+    python scripts/bench_attention.py --smoke      # CPU: interpret mode, toy shapes
+
+Setup and the timing method: see ``bench_common.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
-import statistics
-import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import bench_common as bc
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from jaxmamba.kernels import paged_attention
+from jaxmamba.kernels.attention.gpu import GpuBlockSizes, paged_attention_gpu
 
-try:
-    from jaxmamba.kernels import attention_pallas_gpu, paged_attention  # noqa: E402
-except ImportError:  # not installed (the GPU machine): the repo root is on sys.path
-    from kernels import attention_pallas_gpu, paged_attention  # noqa: E402
-
-HBM = 4.3e12  # bytes/s, measured D2D copy on the H200 (DESIGN §8)
-MXU = 800e12  # FLOP/s, measured bf16 matmul on the H200
-ACT = jnp.bfloat16
 FULL = dict(q_heads=40, kv_heads=8, head_dim=128, pool_bytes=256 << 20)
 FULL_CASES = [("prefill", 1, 8192), ("prefill", 8, 2048)] + [
     ("decode", batch, context) for context in (512, 4096) for batch in (1, 32, 256)
@@ -49,29 +42,24 @@ SMOKE = dict(q_heads=4, kv_heads=2, head_dim=32, pool_bytes=1 << 20)
 SMOKE_CASES = [("prefill", 1, 64), ("prefill", 2, 24), ("decode", 1, 40), ("decode", 4, 64)]
 SMOKE_CASES.append(("mixed", 3, 40))
 SWEEP = {
-    "rows64 kv64": attention_pallas_gpu.GpuBlockSizes(max_rows=64),
-    "rows128 kv32": attention_pallas_gpu.GpuBlockSizes(block_kv=32),
-    "rows128 kv128": attention_pallas_gpu.GpuBlockSizes(block_kv=128),
-    "stages3": attention_pallas_gpu.GpuBlockSizes(num_stages=3),
-    "warps4": attention_pallas_gpu.GpuBlockSizes(num_warps=4),
-    "no split": attention_pallas_gpu.GpuBlockSizes(min_programs=1),
-    "split 2048 progs": attention_pallas_gpu.GpuBlockSizes(min_programs=2048, min_split_kv=256),
+    "rows64 kv64": GpuBlockSizes(max_rows=64),
+    "rows128 kv32": GpuBlockSizes(block_kv=32),
+    "rows128 kv128": GpuBlockSizes(block_kv=128),
+    "stages3": GpuBlockSizes(num_stages=3),
+    "warps4": GpuBlockSizes(num_warps=4),
+    "no split": GpuBlockSizes(min_programs=1),
+    "split 2048 progs": GpuBlockSizes(min_programs=2048, min_split_kv=256),
 }
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def median_time(fn, reps: int) -> float:
-    fn()  # warm-up (compile, autotune)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--page-size", type=int, default=16, help="attention: tokens a page")
+    parser.add_argument(
+        "--attention-steps", type=int, default=4, help="attention: calls a timed program"
+    )
+    parser.add_argument(
+        "--skip-ref", action="store_true", help="attention: check against XLA, skip timing it"
+    )
 
 
 PAD_TOKENS = 5  # mixed case: padding tokens on an empty row whose pages are the pad page
@@ -109,10 +97,10 @@ def make_case(kind, rows, length, shapes, page_size, steps, rng):
     for step in range(steps):  # each call reads other pages: K/V do not stay in L2
         for r, n in enumerate(needed):
             tables[step, r, :n] = [next(free) for _ in range(n)]
-    k_pages = jax.random.normal(jax.random.key(1), (pool + 1, page_size, hkv, dh), ACT)
-    v_pages = jax.random.normal(jax.random.key(2), (pool + 1, page_size, hkv, dh), ACT)
+    k_pages = jax.random.normal(jax.random.key(1), (pool + 1, page_size, hkv, dh), bc.ACT)
+    v_pages = jax.random.normal(jax.random.key(2), (pool + 1, page_size, hkv, dh), bc.ACT)
     k_pages, v_pages = k_pages.at[pad_page].set(jnp.nan), v_pages.at[pad_page].set(jnp.nan)
-    q = jax.random.normal(jax.random.key(3), (steps, token_rows.size, hq, dh), ACT)
+    q = jax.random.normal(jax.random.key(3), (steps, token_rows.size, hq, dh), bc.ACT)
     nbytes = 2 * token_rows.size * hq * dh * 2 + lengths.sum() * kv_bytes
     flops = 4 * float(np.sum(positions[:num_real] + 1)) * hq * dh
     return (
@@ -145,79 +133,49 @@ def case_name(kind, rows, length):
     return f"mixed bs {rows} ctx {length} + 2x{length // 2}"
 
 
-def bench_case(kind, rows, length, args, rng, rows_out):
+def bench_case(kind, rows, length, args, table: bc.Table, rng) -> None:
     shapes = SMOKE if args.smoke else FULL
+    page_size = 8 if args.smoke else args.page_size
+    steps = 2 if args.smoke else args.attention_steps
     inputs, token_rows, positions, num_real, (nbytes, flops) = make_case(
-        kind, rows, length, shapes, args.page_size, args.steps, rng
+        kind, rows, length, shapes, page_size, steps, rng
     )
     scale = shapes["head_dim"] ** -0.5
-    kernel = functools.partial(attention_pallas_gpu.paged_attention_gpu, interpret=args.smoke)
+    kernel = functools.partial(paged_attention_gpu, interpret=args.smoke)
     ref_fn = stepped(functools.partial(paged_attention, impl="ref"), token_rows, positions, scale)
     expected = ref_fn(*inputs)[:, :num_real].astype(jnp.float32)
-    name = case_name(kind, rows, length)
+    name = f"attention {case_name(kind, rows, length)}"
 
-    def checked(fn):
-        """Relative error of ``fn`` against the reference on the real tokens."""
-        return rel_err(fn(*inputs)[:, :num_real].astype(jnp.float32), expected)
+    def checked(label, fn):
+        got = fn(*inputs)[:, :num_real].astype(jnp.float32)
+        bc.check(f"{name} {label}", got, expected, 1e-2)
 
     def timed(fn):
-        return median_time(lambda: fn(*inputs).block_until_ready(), args.reps) / args.steps
+        return bc.median_time(lambda: fn(*inputs), args.reps) / steps
 
     ours_fn = stepped(kernel, token_rows, positions, scale)
-    err = checked(ours_fn)
-    if not err < 1e-2:
-        raise SystemExit(f"{name}: kernel output differs from the reference (rel err {err:.2e})")
-    ours = timed(ours_fn)
+    checked("ours", ours_fn)
     xla = float("nan") if args.skip_ref else timed(ref_fn)
-    roof = max(nbytes / HBM, flops / MXU)
-    rows_out.append((name, ours, xla, roof))
-    print(
-        f"  {name:32s} ours {ours * 1e6:9.1f} us | xla {xla * 1e6:10.1f} us | "
-        f"roofline {roof * 1e6:8.1f} us = {roof / ours:6.1%} of ours | rel err {err:.1e}",
-        flush=True,
-    )
-    if args.sweep:
-        for label, sizes in SWEEP.items():
-            variant = stepped(
-                functools.partial(kernel, block_sizes=sizes), token_rows, positions, scale
-            )
-            try:
-                err, t = checked(variant), timed(variant)
-            except Exception as e:  # one variant failing to compile must not stop the sweep
-                print(f"    variant {label:18s} failed: {str(e).splitlines()[0][:200]}")
-                continue
-            print(
-                f"    variant {label:18s} {t * 1e6:9.1f} us = {roof / t:6.1%} of roofline "
-                f"| rel err {err:.1e}"
-            )
+    row = bc.Row(name, ours=timed(ours_fn), xla=xla, roof=bc.roofline(nbytes, flops))
+
+    def measure(label, sizes):
+        fn = stepped(functools.partial(kernel, block_sizes=sizes), token_rows, positions, scale)
+        checked(label, fn)
+        return timed(fn)
+
+    measures = {label: functools.partial(measure, label, sizes) for label, sizes in SWEEP.items()}
+    bc.time_variants(row, measures if args.sweep else {})
+    table.add(row)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="CPU: interpret mode, toy shapes")
-    parser.add_argument("--sweep", action="store_true", help="also time block-size variants")
-    parser.add_argument("--skip-ref", action="store_true", help="check against XLA, skip timing it")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=10)
-    args = parser.parse_args()
-    if args.smoke:
-        args.page_size, args.steps, args.reps = 8, 2, 1
-    elif jax.default_backend() != "gpu":
-        raise SystemExit("needs a GPU (or --smoke for the interpret-mode check on CPU)")
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, page size {args.page_size}")
+def run(args, table: bc.Table) -> None:
+    print(f"attention: page size {8 if args.smoke else args.page_size}")
     rng = np.random.default_rng(0)
-    rows_out = []
     for kind, rows, length in SMOKE_CASES if args.smoke else FULL_CASES:
-        bench_case(kind, rows, length, args, rng, rows_out)
-    print("\n| case | Pallas | XLA reference | XLA / Pallas | roofline | % of roofline |")
-    print("|---|---|---|---|---|---|")
-    for name, ours, xla, roof in rows_out:
-        print(
-            f"| {name} | {ours * 1e6:.1f} us | {xla * 1e6:.1f} us | {xla / ours:.1f}x | "
-            f"{roof * 1e6:.1f} us | {roof / ours:.0%} |"
-        )
+        bench_case(kind, rows, length, args, table, rng)
 
+
+CASES = {"attention": run}
 
 if __name__ == "__main__":
-    main()
+    bc.main_for(__doc__, CASES, add_args)

@@ -146,11 +146,12 @@ def time_variants(row: Row, measures: dict[str, Callable[[], float]]) -> None:
         try:
             seconds = measure()
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
-            print(f"    variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+            print(f"    {row.case} variant {name}: FAILED {type(e).__name__}: {str(e)[:600]}")
             continue
         row.variants[name] = seconds
         print(
-            f"    variant {name}: {seconds * 1e6:.1f} us = {row.roof / seconds:.1%} of roofline",
+            f"    {row.case} variant {name}: {seconds * 1e6:.1f} us = "
+            f"{row.roof / seconds:.1%} of roofline",
             flush=True,
         )
 
@@ -358,11 +359,17 @@ def cuda_graph(calls: Callable[[], Any]) -> Callable[[], None]:
     return graph.replay
 
 
-def sglang_steps_time(case: str, step: Callable[[int], Any], steps: int, reps: int) -> float:
-    """SGLang's seconds a decode step: ``step(0..steps-1)`` captured in one CUDA graph and
-    replayed from a cold L2 (``torch_time``), as ours runs after the lead-in; a replay whose
-    data fits in L2 (the conv update at batch 1 touches ~32 MB) would otherwise be served
-    from the last replay's lines. The warm figure is printed beside it."""
+def sglang_steps_time(case: str, step: Callable[[int], Any], steps: int, reps: int, want_y0):
+    """SGLang's seconds a decode step. ``step(i)`` runs step ``i`` and returns its output;
+    step 0's is checked against ``want_y0`` first. Then ``step(0..steps-1)`` are captured in
+    one CUDA graph, replayed from a cold L2 (``torch_time``), as ours runs after the lead-in:
+    a replay whose data fits in L2 (the conv update at batch 1 touches ~32 MB) would
+    otherwise be served from the last replay's lines. The warm figure is printed beside it."""
+    import torch
+
+    y0 = step(0)
+    torch.cuda.synchronize()
+    check(f"sglang {case} y (step 0)", y0.float().cpu().numpy(), want_y0, 1e-2)
     replay = cuda_graph(lambda: [step(i) for i in range(steps)])
     cold = torch_time(replay, reps, cold=True) / steps
     warm = torch_time(replay, reps) / steps

@@ -13,12 +13,13 @@ runs XLA's own Triton, so the counts are a close proxy, not the device's exact n
 
 Each argument is the kernel's block-size fields (the ``VarlenGpuBlockSizes`` of
 ``jaxmamba.kernels.conv1d.gpu``, the ``GpuBlockSizes`` of ``ssd.gpu`` and
-``state_update.gpu``); an empty one is the default. Shapes are Nemotron-H 9B's, as in the benchmarks. Per Pallas call
-it prints registers, spilled bytes, shared memory, SASS load/store/barrier counts, its MMA
-instructions (``HGMMA``: warpgroup MMA, wgmma; ``HMMA``: mma.sync) and, for a kernel with a
-loop, the loads in the loop body after Triton's pipeliner: ``async`` copies are prefetched
-for a later iteration, ``sync`` loads are waited on in the iteration that issues them
-(tensor loads the pipeliner moved a step ahead show up as ``sync`` too, see the TTGIR).
+``state_update.gpu``); an empty one is the default. Shapes are Nemotron-H 9B's, as in the
+benchmarks. Per Pallas call it prints registers, spilled bytes, shared memory, SASS
+load/store/barrier counts, its MMA instructions (``HGMMA``: warpgroup MMA, wgmma; ``HMMA``:
+mma.sync) and, for a kernel with a loop, the loads in the loop body after Triton's
+pipeliner: ``async`` copies are prefetched for a later iteration, ``sync`` loads are waited
+on in the iteration that issues them (tensor loads the pipeliner moved a step ahead show up
+as ``sync`` too, see the TTGIR).
 """
 
 from __future__ import annotations
