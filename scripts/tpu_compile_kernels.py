@@ -1,13 +1,14 @@
 """Compile the Mosaic TPU kernels with the real TPU compiler (libtpu), without a TPU.
 
-Run with a python that has ``jax[tpu]`` (``scripts/setup_tpu_venv.sh``) and the repo root on
-``PYTHONPATH``; it imports ``kernels`` as a top-level package, so jaxmamba need not be
-installed there. Prints one ``OK <case>`` line per kernel and exits non-zero on the first
-failure. Shapes: Nemotron-Nano-9B-v2's Mamba layer (H 128, P 80, G 8, N 128, conv_dim 12288,
-K 4), bf16 activations, fp32 SSM state, bf16 conv state; its attention layer (40 query / 8 KV
-heads of 128) over a bf16 paged cache of 16-token pages.
+Run it with the python that ``scripts/setup_tpu_venv.sh`` prints: a venv with ``jax[tpu]`` at
+this project's jax version and this checkout installed (the kernels come from
+``jaxmamba.kernels``). Prints one ``OK <case>`` line per kernel and exits non-zero on the
+first failure. Shapes: Nemotron-Nano-9B-v2's Mamba layer (H 128, P 80, G 8, N 128,
+conv_dim 12288, K 4), bf16 activations, fp32 SSM state, bf16 conv state; its attention layer
+(40 query / 8 KV heads of 128) over a bf16 paged cache of 16-token pages.
 
-    PYTHONPATH=. python scripts/tpu_compile_kernels.py [--topology v6e:2x2]
+    TPU_PYTHON=$(scripts/setup_tpu_venv.sh .venv/bin/python)
+    $TPU_PYTHON scripts/tpu_compile_kernels.py [--topology v6e:2x2]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kernels import (
+from jaxmamba.kernels import (
     causal_conv1d_update,
     causal_conv1d_varlen,
     paged_attention,
