@@ -19,6 +19,11 @@ def softplus(x: jax.Array) -> jax.Array:
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
+def silu(x: jax.Array) -> jax.Array:
+    """``x * sigmoid(x)``, exact, inside a kernel (the references use ``jax.nn.silu``)."""
+    return x * jax.nn.sigmoid(x)
+
+
 def process_dt(
     dt: jax.Array,  # [..., H] (a scalar inside a kernel)
     dt_bias: jax.Array | None,  # [H]

@@ -54,33 +54,26 @@ def select_impl(
     impl: str,
     *,
     ref: Callable,
-    pallas: Callable | None = None,
     pallas_tpu: Callable | None = None,
     pallas_gpu: Callable | None = None,
 ) -> Callable:
     """Return the function that implements ``op`` for ``impl``.
 
-    Every kernel callable must accept an ``interpret: bool`` keyword. ``pallas_tpu`` and
-    ``pallas_gpu`` are the per-platform kernels; ``pallas`` is one kernel used for both
-    platforms (where the op has no platform-specific one).
+    ``pallas_tpu`` / ``pallas_gpu`` are the op's kernels (at least one); each must accept an
+    ``interpret: bool`` keyword.
     """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
-    kernels = {"tpu": pallas_tpu or pallas, "gpu": pallas_gpu or pallas}
+    kernels = {"tpu": pallas_tpu, "gpu": pallas_gpu}
     if impl == "ref":
         return ref
     if impl == "interpret":
-        kernel = pallas_tpu or pallas_gpu or pallas
-        if kernel is None:
-            raise _missing(op, impl)
-        return functools.partial(kernel, interpret=True)
+        return functools.partial(pallas_tpu or pallas_gpu, interpret=True)
     mode, _, target = impl.partition("_")
     platform = target or current_platform()
     if mode == "auto":
         kernel = kernels.get(platform)
         return ref if kernel is None else functools.partial(kernel, interpret=False)
-    if pallas is None and pallas_tpu is None and pallas_gpu is None:
-        raise _missing(op, impl)
     if platform == "cpu":
         raise ValueError(
             f"{op}: impl='pallas' compiles the kernel for the current backend, which is CPU; "
@@ -88,12 +81,5 @@ def select_impl(
             "lower for another platform, or 'auto'/'ref'"
         )
     if kernels[platform] is None:
-        raise NotImplementedError(f"{op}: no Pallas kernel for {platform} yet (use impl='ref')")
+        raise NotImplementedError(f"{op}: no Pallas kernel for {platform} (use impl='ref')")
     return functools.partial(kernels[platform], interpret=False)
-
-
-def _missing(op: str, impl: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{op}: impl={impl!r} is not available yet; the Pallas kernel lands with the "
-        "kernels issue (use impl='ref')"
-    )

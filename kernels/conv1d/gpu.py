@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .. import common
 from ..common import pow2_divisor
 from .ref import final_and_tracked_states, initial_state_terms, token_starts
 
@@ -35,10 +36,10 @@ _F32 = jnp.float32
 
 
 def _tanh_approx(h: jax.Array, interpret: bool) -> jax.Array:
-    """PTX's ``tanh.approx.f32``. It has no interpreter: interpret mode rounds ``jnp.tanh`` to
-    16 significant bits (relative error <= 2^-16 = 1.5e-5, the size of the instruction's
-    own, ~1.1e-5), so the interpret-mode tests run the approximate form with an error of that
-    size rather than the exact function."""
+    """PTX's ``tanh.approx.f32`` (about 16.5 correct bits). Inline PTX has no interpreter, so
+    interpret mode rounds ``jnp.tanh`` to 16 significant bits (relative error <= 2^-16): the
+    interpret-mode tests run the approximate form with an error no smaller than the
+    instruction's, not the exact function."""
     if not interpret:
         return pltriton.approx_tanh(h)
     bits = jax.lax.bitcast_convert_type(jnp.tanh(h), jnp.uint32)
@@ -54,10 +55,10 @@ def silu(y: jax.Array, *, approx: bool, interpret: bool = False) -> jax.Array:
     form costs a range-reduced ``exp``, a reciprocal and a product (the prefill kernel issues
     an instruction on two thirds of its cycles, so they count). Its absolute error is
     <= 1.1e-5 for y in [-30, 30], at most 0.05 of a bf16 spacing of the output for y >= -8
-    (``python3 scripts/silu_error.py`` on the H200): below the bf16 store's own rounding.
+    (``python3 scripts/dev/silu_error.py`` on the H200): below the bf16 store's own rounding.
     Otherwise (float32 outputs) the exact form."""
     if not approx:
-        return y * jax.nn.sigmoid(y)
+        return common.silu(y)
     half = y * 0.5
     return half + half * _tanh_approx(half, interpret)
 
@@ -141,8 +142,8 @@ class VarlenGpuBlockSizes:
     consecutive tiles, all on the interior path when its whole span is interior (one
     decision a program, so the loop has no branch in it).
 
-    Defaults: the fastest of the conv-prefill sweep on the H200 at 8x2048 tokens, 12288
-    channels, inside a busy program (229 µs, 82 % of the HBM roofline; docs/benchmarks.md)."""
+    Defaults: the fastest at 8x2048 tokens, 12288 channels, inside a busy program on the H200
+    (``python3 scripts/bench_conv.py --cases conv_prefill --sweep``; docs/benchmarks.md)."""
 
     tokens: int = 4
     channels: int = 1024

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import round_up, tpu_interpret_params
+from ..common import round_up, silu, tpu_interpret_params
 from .ref import final_and_tracked_states, initial_state_terms, token_starts
 
 _F32 = jnp.float32
@@ -30,7 +30,7 @@ _HALO = 8  # rows of x before a tile that the varlen kernel reads (>= K-1, one s
 
 
 def _activate(y: jax.Array, activation: str | None) -> jax.Array:
-    return y if activation is None else y * jax.nn.sigmoid(y)
+    return y if activation is None else silu(y)
 
 
 def _lane_block(dim: int, cap: int) -> int:

@@ -12,14 +12,13 @@ The kernel is bound by reading W once, so everything serves a steady stream of W
   operand in a loop is what Triton's software pipeliner prefetches: ``num_stages`` W tiles
   are in flight (async copies into shared memory) while the current one is multiplied.
   x is re-read every step, but it is a few KB that stays in L1/L2.
-  For M = 1, ``single_row_fma`` instead multiply-adds each tile into a float32
-  ``[block_k, block_n]`` accumulator (no shared-memory staging, one reduction over K at the
-  end); which of the two streams better on the H200 is for ``bench_gemv.py --sweep`` to say.
+  For M = 1, ``single_row_fma`` (opt-in, timed by ``scripts/bench_matmul.py --sweep``)
+  instead multiply-adds each tile into a float32 ``[block_k, block_n]`` accumulator (no
+  shared-memory staging, one reduction over K at the end).
 * The decode projections have few column blocks (N = 4480 is 35 blocks of 128) against
   132 SMs, so K is split until there are at least ``min_programs`` programs; each split
-  writes float32 partials ``[split_k, M, N]`` that XLA sums and casts: a tiny extra pass
-  (its launch is the cost at batch 1; XLA may fuse it into the consumer, e.g. the MLP's
-  relu², not verified). ``split_k = 1`` writes the output directly.
+  writes float32 partials ``[split_k, M, N]`` that XLA sums and casts (a tiny extra pass).
+  ``split_k = 1`` writes the output directly.
 
 K and N need not be multiples of the blocks: the edge tiles are masked (zeros in, nothing
 out), and masks are only emitted where a dimension has an edge.
@@ -71,27 +70,6 @@ class GpuBlockSizes:
         while column_blocks * split < self.min_programs and split * 2 <= max_splits:
             split *= 2
         return split
-
-
-# Variants ``scripts/bench_gemv.py --sweep`` times beside the default.
-SWEEP = (
-    GpuBlockSizes(),
-    GpuBlockSizes(block_n=64),
-    GpuBlockSizes(block_n=256, num_warps=8),
-    GpuBlockSizes(block_k=128),
-    GpuBlockSizes(block_k=128, num_stages=3),
-    GpuBlockSizes(block_k=32, num_stages=6),
-    GpuBlockSizes(num_warps=8),
-    GpuBlockSizes(num_stages=3),
-    GpuBlockSizes(num_stages=6),
-    GpuBlockSizes(split_k=1),
-    GpuBlockSizes(min_programs=528),
-    GpuBlockSizes(block_n=64, min_programs=528),
-    GpuBlockSizes(block_n=256, block_k=32, num_warps=8, num_stages=5),
-    GpuBlockSizes(single_row_fma=True),
-    GpuBlockSizes(single_row_fma=True, block_k=32, num_stages=3),
-    GpuBlockSizes(single_row_fma=True, block_n=256, block_k=32, num_warps=8),
-)
 
 
 def _kernel(

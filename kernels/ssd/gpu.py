@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import MIN_DOT_DIM, dot, pow2_at_least, process_dt
+from ..common import MIN_DOT_DIM, dot, pow2_at_least, process_dt, round_up, silu
 from .layout import ChunkLayout, build_chunk_layout, chunk_tokens, tracked_requests
 
 
@@ -88,8 +88,8 @@ class GpuBlockSizes:
         (sequence, head) pairs the state pass's programs are a single wave however they are
         cut, each walking its sequence's chunks in series: there, one program of 8 warps per
         pair (the whole state, N block 128) with a 3-deep pipeline (its shared memory leaves
-        one program an SM); more pairs keep more, smaller programs an SM (1x16384: 0.312
-        against 0.434 ms; 64x256: 0.723 against 0.755 ms, ``bench_ssd.py --sweep``)."""
+        one program an SM); more pairs keep more, smaller programs an SM (``python3
+        scripts/bench_ssd.py --sweep`` at 1x16384 and 64x256, docs/benchmarks.md)."""
         if num_seqs * num_heads <= 128:
             return cls(state_block_n=128, state_warps=8, state_stages=3)
         return cls()
@@ -97,7 +97,7 @@ class GpuBlockSizes:
 
 def _pieces(n: int) -> tuple[tuple[int, int], ...]:
     """``(offset, size)`` power-of-two pieces (each >= MIN_DOT_DIM) that cover ``n``."""
-    remaining = -(-n // MIN_DOT_DIM) * MIN_DOT_DIM
+    remaining = round_up(n, MIN_DOT_DIM)
     pieces, offset = [], 0
     while remaining:
         size = 1 << (remaining.bit_length() - 1)
@@ -218,7 +218,6 @@ def _state_kernel(
                 state.astype(entering_ref.dtype),
                 mask=n_ok[:, None] & p_ok[None, :],
             )
-            # Each piece's contribution computed right after its entering store, as timed.
             new_states.append(decay * state + contribution(b, x, weight))
 
         first_request, end_request = requests
@@ -338,7 +337,7 @@ def _output_kernel(
                     zv = plgpu.load(
                         z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
                     ).astype(jnp.float32)
-                    y = y * zv / (1.0 + jnp.exp(-zv))  # silu(z)
+                    y = y * silu(zv)
                 plgpu.store(
                     y_ref.at[rows_i, h, p_slice],
                     y.astype(y_ref.dtype),

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import dot, process_dt, tpu_interpret_params
+from ..common import dot, process_dt, silu, tpu_interpret_params
 from .layout import ChunkLayout, build_chunk_layout, to_chunks
 
 
@@ -159,7 +159,7 @@ def _kernel(
     yt = yt + d_ref[h] * xt.astype(jnp.float32)
     if zt_ref is not None:
         zt = zt_ref[...].astype(jnp.float32)
-        yt = yt * zt / (1.0 + jnp.exp(-zt))  # silu(z)
+        yt = yt * silu(zt)
     yt_ref[...] = yt.astype(yt_ref.dtype)
 
 

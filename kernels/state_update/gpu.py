@@ -12,7 +12,7 @@ them may race on it, which is harmless because nothing reads it.
 Why the Triton lowering: the op is a gather by slot with no matrix work, a scalar load and
 then plain pointer loads and stores of any tile shape, which the Triton lowering expresses
 directly; Mosaic GPU's register layout holds it to 64-row tiles, which straddle heads at
-P = 80 (the measurement: docs/history.md).
+P = 80 (a Mosaic GPU version measured slower: docs/history.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import largest_divisor, pow2_divisor, process_dt
+from ..common import largest_divisor, pow2_divisor, process_dt, silu
 
 _F32 = jnp.float32
 
@@ -48,7 +48,8 @@ class GpuBlockSizes:
     def get_default(cls, rows: int) -> GpuBlockSizes:
         """The tiles for a batch of ``rows``. Up to 32 rows: whole heads a program (5 tiles of
         16 P rows for P = 80), 8 warps, a fifth of the programs; more rows: 16-row tiles
-        (the state-update sweep in a busy program on the H200, docs/benchmarks.md)."""
+        (``python3 scripts/bench_state_update.py --sweep`` in a busy program on the H200,
+        docs/benchmarks.md)."""
         return cls(tiles=5, num_warps=8) if rows <= 32 else cls()
 
 
@@ -116,7 +117,7 @@ def _kernel(
             y = y + skip * x
         if zs[i] is not None:
             zv = zs[i].astype(_F32)
-            y = y * (zv * jax.nn.sigmoid(zv))
+            y = y * silu(zv)
         y_ref[row, head, p] = y.astype(y_ref.dtype)
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import process_dt, tpu_interpret_params
+from ..common import process_dt, silu, tpu_interpret_params
 
 _F32 = jnp.float32
 
@@ -110,7 +110,7 @@ def _kernel(
             y = y + d_ref[head] * x
         if zs is not None:
             z = _pick_row(zs, head)
-            y = y * (z * jax.nn.sigmoid(z))
+            y = y * silu(z)
         y_all = jnp.where(row_ids == head, y, y_all)
     y_acc[...] = y_all
 
