@@ -228,15 +228,17 @@ def bench_case(name: str, args, table: bc.Table, block_sizes=None) -> None:
         print(f"ssd {name}: ours FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
         ok, t_ours, t_states = False, float("nan"), float("nan")
     print(f"  ssd {name}: state pass alone {t_states * 1e3:.3f} ms")
+    t_sgl = None
     sgl_call = None if args.smoke else sglang_program(inp, lengths, s.chunk)
-    row = bc.Row(
-        f"ssd {name}{'' if ok else ' (MISMATCH)'}",
-        ours=t_ours,
-        xla=t_ref,
-        roof=roofline(s, lengths, with_init),
-        sglang=None if sgl_call is None else bc.torch_time(sgl_call, args.reps, cold=True),
+    if sgl_call is not None:
+        try:
+            t_sgl = bc.torch_time(sgl_call, args.reps, cold=True)
+        except Exception as e:  # noqa: BLE001 - report and time ours only
+            print(f"ssd {name}: sglang FAILED {type(e).__name__}: {str(e)[:300]}")
+    name = f"ssd {name}{'' if ok else ' (MISMATCH)'}"
+    table.add(
+        bc.Row(name, ours=t_ours, xla=t_ref, roof=roofline(s, lengths, with_init), sglang=t_sgl)
     )
-    table.add(row)
 
 
 def run(args, table: bc.Table) -> None:
