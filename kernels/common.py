@@ -1,7 +1,8 @@
-"""Helpers every op shares: dt processing, matmul precision, tile arithmetic, interpret mode.
+"""Helpers the ops share: dt processing and SiLU, matmul precision, tile arithmetic, the
+Mosaic TPU lane/sublane moves, shape checks, interpret mode.
 
-Plain jnp/lax, so the device-side helpers (``softplus``, ``process_dt``, ``dot``) lower through
-XLA, Mosaic TPU and Triton alike.
+Plain jnp/lax, so the device-side helpers (``softplus``, ``silu``, ``process_dt``, ``dot``)
+lower through XLA, Mosaic TPU and Triton alike.
 """
 
 from __future__ import annotations
@@ -71,6 +72,29 @@ def largest_divisor(n: int, cap: int) -> int:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def to_column(row: jax.Array) -> jax.Array:
+    """[1, n] -> [n, 1] without a transpose (an identity mask and a lane sum; exact), for
+    Mosaic TPU kernels that move vectors between the lane and sublane axes on the VPU."""
+    return jnp.sum(jnp.where(_identity(row.shape[1]), row, 0.0), axis=1, keepdims=True)
+
+
+def to_row(col: jax.Array) -> jax.Array:
+    """[n, 1] -> [1, n], as :func:`to_column`."""
+    return jnp.sum(jnp.where(_identity(col.shape[0]), col, 0.0), axis=0, keepdims=True)
+
+
+def _identity(n: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+
+def check_optional_shapes(**arrays: tuple[jax.Array | None, tuple[int, ...]]) -> None:
+    """Raise if an optional argument that was given (``name=(array, expected_shape)``) does
+    not have its expected shape."""
+    for name, (arr, shape) in arrays.items():
+        if arr is not None and arr.shape != shape:
+            raise ValueError(f"expected {name} {shape}, got {arr.shape}")
 
 
 def tpu_interpret_params(interpret):

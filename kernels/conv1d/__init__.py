@@ -3,7 +3,9 @@
 ``out[t] = act(sum_k weight[k] * in[t - (K-1) + k] + bias)`` per channel, where inputs before
 a sequence's first token come from its initial state (the K-1 preceding inputs, oldest first).
 The references are in ``ref.py``, the Mosaic TPU kernels in ``tpu.py``, the Triton-lowered GPU
-kernels in ``gpu.py``.
+kernels in ``gpu.py``. The GPU kernels' SiLU is exact for float32 outputs and, for bf16
+outputs, a ``tanh.approx`` form whose error is a small part of the bf16 rounding for
+y >= -8 (``gpu.silu``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from ..common import process_dt
+from ..common import check_optional_shapes, process_dt
 from ..dispatch import select_impl
 from .gpu import ssd_varlen_gpu
 from .layout import ChunkLayout, build_chunk_layout, num_chunks
@@ -71,13 +71,7 @@ def ssd_varlen(
     num_groups = B.shape[1]
     if num_heads % num_groups:
         raise ValueError(f"heads H={num_heads} must be a multiple of groups G={num_groups}")
-    for name, arr, shape in (
-        ("D", D, (num_heads,)),
-        ("dt_bias", dt_bias, (num_heads,)),
-        ("z", z, x.shape),
-    ):
-        if arr is not None and arr.shape != shape:
-            raise ValueError(f"expected {name} {shape}, got {arr.shape}")
+    check_optional_shapes(D=(D, (num_heads,)), dt_bias=(dt_bias, (num_heads,)), z=(z, x.shape))
     num_seqs = cu_seqlens.shape[0] - 1
     state_shape = (num_seqs, num_heads, head_dim, B.shape[2])
     if initial_states is not None and initial_states.shape != state_shape:

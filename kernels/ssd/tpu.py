@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import dot, process_dt, silu, tpu_interpret_params
+from ..common import dot, process_dt, silu, to_column, to_row, tpu_interpret_params
 from .layout import ChunkLayout, build_chunk_layout, to_chunks
 
 
@@ -49,12 +49,11 @@ def chunk_update(
     size = dt_row.shape[1]
     rows = lax.broadcasted_iota(jnp.int32, (size, size), 0)  # j (source position)
     cols = lax.broadcasted_iota(jnp.int32, (size, size), 1)  # i (target position)
-    diag = rows == cols
     da_row = dt_row * a  # [1, C]
     # Column forms and the inclusive cumsum via masked reductions (no transposes, no scans).
-    dt_col = jnp.sum(jnp.where(diag, dt_row, 0.0), axis=1, keepdims=True)  # [C, 1]
+    dt_col = to_column(dt_row)  # [C, 1]
     cum_col = jnp.sum(jnp.where(cols <= rows, da_row, 0.0), axis=1, keepdims=True)  # [C, 1]
-    cum_row = jnp.sum(jnp.where(diag, cum_col, 0.0), axis=0, keepdims=True)  # [1, C]
+    cum_row = to_row(cum_col)  # [1, C]
     total = jnp.sum(da_row, axis=1, keepdims=True)  # [1, 1]
 
     # decay[j, i] = exp(cum_i - cum_j) for j <= i; exponents are <= 0, so nothing overflows.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 
+from ..common import check_optional_shapes
 from ..dispatch import select_impl
 from .gpu import selective_state_update_gpu
 from .ref import selective_state_update_ref
@@ -58,13 +59,7 @@ def selective_state_update(
             f"x {x.shape}, state {state.shape}; got dt {dt.shape}, A {A.shape}, B {B.shape}, "
             f"C {C.shape}, slots {slots.shape}"
         )
-    for name, arr, shape in (
-        ("D", D, (num_heads,)),
-        ("dt_bias", dt_bias, (num_heads,)),
-        ("z", z, x.shape),
-    ):
-        if arr is not None and arr.shape != shape:
-            raise ValueError(f"expected {name} {shape}, got {arr.shape}")
+    check_optional_shapes(D=(D, (num_heads,)), dt_bias=(dt_bias, (num_heads,)), z=(z, x.shape))
     fn = select_impl(
         "selective_state_update",
         impl,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import process_dt, silu, tpu_interpret_params
+from ..common import process_dt, silu, to_column, to_row, tpu_interpret_params
 
 _F32 = jnp.float32
 
@@ -43,24 +43,6 @@ class TpuBlockSizes:
             if heads_per_group % hb == 0 and hb * per_head <= self.max_block_bytes
         ]
         return max(fits, default=1)
-
-
-def _column(row: jax.Array) -> jax.Array:
-    """[1, P] -> [P, 1] on the VPU (an identity mask and a lane sum; exact)."""
-    n = row.shape[1]
-    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(
-        jnp.int32, (n, n), 1
-    )
-    return jnp.sum(jnp.where(eye, row, 0.0), axis=1, keepdims=True)
-
-
-def _row(col: jax.Array) -> jax.Array:
-    """[P, 1] -> [1, P], as :func:`_column`."""
-    n = col.shape[0]
-    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(
-        jnp.int32, (n, n), 1
-    )
-    return jnp.sum(jnp.where(eye, col, 0.0), axis=0, keepdims=True)
 
 
 def _pick_row(a: jax.Array, i) -> jax.Array:
@@ -103,9 +85,9 @@ def _kernel(
         head = blk * hb + j
         x = _pick_row(xs, head)  # [1, P]
         dt = dt_ref[0, head]
-        h = decay_ref[0, head] * state_ref[j].astype(_F32) + (dt * _column(x)) * bv  # [P, N]
+        h = decay_ref[0, head] * state_ref[j].astype(_F32) + (dt * to_column(x)) * bv  # [P, N]
         state_out_ref[j] = h.astype(state_out_ref.dtype)
-        y = _row(jnp.sum(h * cv, axis=1, keepdims=True))  # [1, P]
+        y = to_row(jnp.sum(h * cv, axis=1, keepdims=True))  # [1, P]
         if d_ref is not None:
             y = y + d_ref[head] * x
         if zs is not None:
