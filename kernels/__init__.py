@@ -1,4 +1,4 @@
-"""Kernels for jaxmamba: plain-jnp references now, Pallas kernels behind ``impl=``.
+"""Kernels for jaxmamba: plain-jnp references and Pallas kernels, chosen by ``impl=``.
 
 Notation (dimension letters used in every shape comment):
 
@@ -15,7 +15,10 @@ Notation (dimension letters used in every shape comment):
 Every op is a package laid out alike: ``__init__.py`` (the dispatcher: the public function),
 ``ref.py`` (the plain-jnp ``*_ref`` with float32 accumulation), ``tpu.py`` (Mosaic TPU kernel),
 ``gpu.py`` (Triton-lowered GPU kernel), each kernel with its ``TpuBlockSizes`` /
-``GpuBlockSizes`` (``get_default``). Every public op takes
+``GpuBlockSizes`` (``get_default``; the conv's two kernels a platform: ``Varlen*`` and
+``Update*``). What a kernel pair shares beyond the reference sits beside them
+(``ssd/layout.py``, ``attention/blocks.py``); the small-M matmul has no TPU kernel. Every
+public op takes
 ``impl="auto"|"ref"|"pallas"|"interpret"|...`` (see ``dispatch.py``); helpers shared by all
 ops are in ``common.py``.
 """
