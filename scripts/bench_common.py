@@ -5,7 +5,7 @@ reference, the roofline, SGLang's kernels for comparison, and the result table.
 import this file as a sibling module, so run them as files from anywhere
 (``python scripts/bench_ssd.py``): Python puts a script's own folder first on ``sys.path``.
 They import the kernels from the installed package (``jaxmamba.kernels``); on the GPU
-machine run ``pip install --no-deps --no-build-isolation -e .`` in the repo root first.
+machine run ``python3 -m pip install --no-deps --no-build-isolation -e .`` in the repo root first.
 
 SGLang's Triton kernels are not part of this repo. To compare with them, unpack
 ``sglang/kernels/ops/mamba/triton_ops/`` (``mamba_ssm.py`` and the ``ssd_*.py`` chunked-scan

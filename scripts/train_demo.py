@@ -3,7 +3,7 @@
     python scripts/train_demo.py                          # the shipped run: ~5 min on one H200
     python scripts/train_demo.py --smoke --out /tmp/demo  # a toy model, 3 steps, ~15 s on CPU
 
-On the GPU machine, `pip install --no-deps --no-build-isolation -e .` first.
+On the GPU machine, `python3 -m pip install --no-deps --no-build-isolation -e .` first.
 
 The model is the engine's own `Mamba2HybridLM` with the plain-jnp reference kernels
 (`impl="ref"`, differentiable), run as a one-row prefill step vmapped over the batch, so the

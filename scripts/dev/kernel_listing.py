@@ -9,8 +9,9 @@ holds exactly that call's kernels (XLA's fusions around ours included):
 
 Nemotron-Nano-9B-v2 Mamba shapes, as in ``scripts/bench_conv.py`` and ``scripts/bench_ssd.py``.
 Nsight Compute runs the kernels one at a time, so the durations are each kernel alone,
-without the gaps between launches. Needs ``pip install --no-deps --no-build-isolation -e .``
-in the repo root (the kernels come from the installed ``jaxmamba.kernels``).
+without the gaps between launches. Needs
+``python3 -m pip install --no-deps --no-build-isolation -e .`` in the repo root (the kernels
+come from the installed ``jaxmamba.kernels``).
 """
 
 from __future__ import annotations
