@@ -64,8 +64,8 @@ class GpuBlockSizes:
     carries the next chunk's decay, tracking requests and position weights a step ahead, so
     no load of them sits on the serial chain.
 
-    Defaults: the SSD sweeps on the H200 (``scripts/bench_ssd.py --sweep``, docs/benchmarks.md);
-    ``get_default`` picks other state-pass blocks for few sequences.
+    Defaults: the SSD sweeps on the H200 (``scripts/bench_ssd.py --sweep``,
+    docs/kernels/ssd_gpu.md); ``get_default`` picks other state-pass blocks for few sequences.
     """
 
     # Head-dim rows per state-pass program (power of two). At least the head dim: the whole
@@ -89,7 +89,7 @@ class GpuBlockSizes:
         cut, each walking its sequence's chunks in series: there, one program of 8 warps per
         pair (the whole state, N block 128) with a 3-deep pipeline (its shared memory leaves
         one program an SM); more pairs keep more, smaller programs an SM (``python3
-        scripts/bench_ssd.py --sweep`` at 1x16384 and 64x256, docs/benchmarks.md)."""
+        scripts/bench_ssd.py --sweep`` at 1x16384 and 64x256, docs/kernels/ssd_gpu.md)."""
         if num_seqs * num_heads <= 128:
             return cls(state_block_n=128, state_warps=8, state_stages=3)
         return cls()
