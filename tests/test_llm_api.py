@@ -105,7 +105,7 @@ def test_bad_input_raises_value_error_and_llm_stays_usable(llm, kwargs, message)
 
 
 BAD_SAMPLING = [
-    ("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("temperature", -1.0), ("top_k", -1),
+    ("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("temperature", -1.0), ("top_k", -2),
     ("logprobs", 21),
 ]  # fmt: skip
 

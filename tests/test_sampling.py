@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxmamba.model.sampling import MAX_LOGPROBS, filter_cutoff, sample
+from jaxmamba.sampling_params import NOT_IMPLEMENTED, SamplingParams
 
 
 def kept_by_sorting(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -80,3 +81,67 @@ def test_greedy_and_logprobs_match_numpy():
     np.testing.assert_array_equal(np.asarray(out.top_ids), top)
     expected = np.take_along_axis(logprobs, top, -1)
     np.testing.assert_allclose(np.asarray(out.top_logprobs), expected, atol=1e-5)
+
+
+BAD_VALUES = [
+    ("temperature", float("nan"), ValueError, "finite"),
+    ("temperature", float("inf"), ValueError, "finite"),
+    ("temperature", True, TypeError, "float"),
+    ("temperature", "0.5", TypeError, "float"),
+    ("top_k", 1.5, TypeError, "int"),
+    ("top_k", -2, ValueError, "top_k"),
+    ("top_p", 1.5, ValueError, r"\(0, 1\]"),
+    ("min_p", -0.1, ValueError, r"\[0, 1\]"),
+    ("max_tokens", True, TypeError, "int"),
+    ("max_tokens", 4.0, TypeError, "int"),
+    ("n", 0, ValueError, "n must"),
+    ("seed", 1.0, TypeError, "int"),
+    ("stop_token_ids", [1.0], TypeError, "int"),
+    ("stop_token_ids", [True], TypeError, "int"),
+    ("stop_token_ids", [-1], ValueError, "stop_token_ids"),
+    ("stop", [1], TypeError, "str"),
+    ("stop", "", ValueError, "non-empty"),
+    ("ignore_eos", 1, TypeError, "bool"),
+    ("presence_penalty", 2.5, ValueError, r"\[-2, 2\]"),
+    ("frequency_penalty", float("nan"), ValueError, "finite"),
+    ("repetition_penalty", 0.0, ValueError, "> 0"),
+    ("logprobs", 1.0, TypeError, "int"),
+    ("prompt_logprobs", MAX_LOGPROBS + 1, ValueError, "prompt_logprobs"),
+    ("logit_bias", {1.0: 2.0}, TypeError, "int"),
+    ("logit_bias", {3: float("nan")}, ValueError, "finite"),
+    ("logit_bias", [(3, 1.0)], TypeError, "dict"),
+    ("min_tokens", -1, ValueError, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("field, value, error, match", BAD_VALUES)
+def test_bad_sampling_values_raise_saying_what_was_expected(field, value, error, match):
+    with pytest.raises(error, match=match) as info:
+        SamplingParams(**{field: value})
+    assert field.split("[")[0] in str(info.value)
+
+
+def test_min_tokens_above_max_tokens_raises():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+
+
+def test_sampling_values_are_normalised_to_exact_types():
+    sp = SamplingParams(
+        temperature=1, top_k=np.int64(5), seed=np.int32(7), stop_token_ids=[np.int64(3)]
+    )
+    assert type(sp.temperature) is float and type(sp.top_k) is int and type(sp.seed) is int
+    assert sp.stop_token_ids == (3,) and type(sp.stop_token_ids[0]) is int
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams(top_k=0).top_k
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+
+
+@pytest.mark.parametrize("field", sorted(NOT_IMPLEMENTED))
+def test_unimplemented_fields_raise_instead_of_being_ignored(field):
+    value = {
+        "n": 2, "stop": "x", "include_stop_str_in_output": True, "skip_special_tokens": False,
+        "max_tokens": None, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {1: 2.0}, "prompt_logprobs": 1,
+    }[field]  # fmt: skip
+    with pytest.raises(NotImplementedError, match=field):
+        SamplingParams(**{field: value})

@@ -5,34 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from jaxmamba.model.sampling import MAX_LOGPROBS
+from jaxmamba.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request (vLLM's names). `temperature=0` is greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+__all__ = ["Request", "SamplingParams"]
 
 
 @dataclass
