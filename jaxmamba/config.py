@@ -73,11 +73,22 @@ class ModelConfig:
     eos_token_id: int | None
     pad_token_id: int | None
     name: str = ""
+    # Every id that ends generation (config.json and generation_config.json may list several);
+    # `eos_token_id` is the first of them. Left empty, it is `(eos_token_id,)`.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise YAML/JSON lists so equality and hashing behave.
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
+        eos_ids = self.eos_token_ids
+        if isinstance(eos_ids, list | tuple):
+            eos_ids = tuple(dict.fromkeys(eos_ids))  # ordered, without repeats
+        if not eos_ids and self.eos_token_id is not None:
+            eos_ids = (self.eos_token_id,)
+        object.__setattr__(self, "eos_token_ids", eos_ids)
+        if self.eos_token_id is None and eos_ids:
+            object.__setattr__(self, "eos_token_id", eos_ids[0])
         self._validate()
 
     def _validate(self) -> None:
@@ -122,8 +133,18 @@ class ModelConfig:
             _bad("time_step_limit", self.time_step_limit, "0 <= min < max (max may be inf)")
         for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, field)
-            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
+            if value is not None and not _is_id(value, self.vocab_size):
                 _bad(field, value, f"None or an id in [0, vocab_size={self.vocab_size})")
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+            _is_id(i, self.vocab_size) for i in self.eos_token_ids
+        ):
+            _bad("eos_token_ids", self.eos_token_ids, f"ids in [0, vocab_size={self.vocab_size})")
+        if self.eos_token_id is not None and self.eos_token_id not in self.eos_token_ids:
+            _bad(
+                "eos_token_ids",
+                self.eos_token_ids,
+                f"a set holding eos_token_id={self.eos_token_id}",
+            )
 
     # ----- derived sizes -----
 
@@ -166,6 +187,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["time_step_limit"] = list(self.time_step_limit)
+        d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 
     @classmethod
@@ -177,7 +199,9 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"{source}: unknown ModelConfig fields {unknown}")
         missing = sorted(
-            f.name for f in dataclasses.fields(cls) if f.name not in d and f.name != "name"
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in d and f.name not in ("name", "eos_token_ids")
         )
         if missing:
             raise ValueError(f"{source}: missing ModelConfig fields {missing}")
@@ -228,8 +252,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | str | os.PathLike) -> ModelConfig:
-        """Parse an HF `config.json` (a dict, the file, or the directory holding it)."""
-        name = ""
+        """Parse an HF `config.json` (a dict, the file, or the directory holding it). Read from
+        a file, the stop ids also include those of the `generation_config.json` beside it."""
+        name, generation = "", {}
         if not isinstance(config, dict):
             path = Path(config)
             if path.is_dir():
@@ -241,14 +266,25 @@ class ModelConfig:
                 raise ValueError(f"cannot read HF config {path}: {e}") from e
             if not isinstance(config, dict):
                 raise ValueError(f"HF config {path} is not a JSON object")
+            generation = _read_generation_config(path.parent / "generation_config.json")
         model_type = config.get("model_type")
         if model_type == "nemotron_h":
-            return _from_nemotron_h(config, name)
-        if model_type == "mamba2":
-            return _from_mamba2(config, name)
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in HF config; supported: {MODEL_TYPES}"
-        )
+            cfg = _from_nemotron_h(config, name)
+        elif model_type == "mamba2":
+            cfg = _from_mamba2(config, name)
+        else:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} in HF config; supported: {MODEL_TYPES}"
+            )
+        # HF and vLLM stop on every eos id of both files; config.json's first one leads.
+        eos_ids = [
+            *_token_ids(config, "eos_token_id", "HF config"),
+            *_token_ids(generation, "eos_token_id", "generation_config.json"),
+        ]
+        if not eos_ids:
+            return cfg  # the architecture's default eos id, if any
+        eos_ids = list(dict.fromkeys(eos_ids))
+        return dataclasses.replace(cfg, eos_token_id=eos_ids[0], eos_token_ids=tuple(eos_ids))
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict that transformers loads as this model."""
@@ -264,7 +300,9 @@ class ModelConfig:
             "use_bias": self.mamba_proj_bias,
             "residual_in_fp32": self.residual_in_fp32,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": (
+                list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_id
+            ),
             "pad_token_id": self.pad_token_id,
         }
         lo, hi = self.time_step_limit
@@ -353,12 +391,42 @@ def _float(value: Any) -> float:
     return float(value)
 
 
+def _is_id(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
 def _token_id(config: dict, key: str, default: int | None) -> int | None:
+    """The (first) id of `key`; HF allows a list of eos ids (chat models), see `_token_ids`."""
     value = config.get(key, default)
-    # Several eos ids (chat models) are legal in HF; the engine stops on the first one.
     if isinstance(value, list):
         value = value[0] if value else None
     return value
+
+
+def _token_ids(config: dict, key: str, source: str) -> list[int]:
+    """Every id of `key`: an int, a list of ints, or absent/null."""
+    value = config.get(key)
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(
+                f"{source} {key}={value!r} is invalid: expected an int or a list of ints"
+            )
+    return values
+
+
+def _read_generation_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return d
 
 
 def _require_act(config: dict, key: str, expected: str, default: str) -> None:

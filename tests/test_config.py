@@ -245,3 +245,66 @@ def test_malformed_config_json_raises_with_its_path(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a JSON object"):
         ModelConfig.from_hf_config(tmp_path)
+
+
+def test_every_eos_id_of_config_json_and_generation_config_json_stops(tmp_path):
+    cfg = ModelConfig.from_hf_config(_nemotron_hf())
+    assert (cfg.eos_token_id, cfg.eos_token_ids) == (7, (7, 9))
+    (tmp_path / "config.json").write_text(json.dumps(_nemotron_hf(eos_token_id=4)))
+    assert ModelConfig.from_hf_config(tmp_path).eos_token_ids == (4,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 4, 11]}))
+    cfg = ModelConfig.from_hf_config(tmp_path)
+    assert (cfg.eos_token_id, cfg.eos_token_ids) == (4, (4, 9, 11))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 12}))
+    assert ModelConfig.from_hf_config(tmp_path).eos_token_ids == (4, 12)
+    # Without an eos in config.json, generation_config.json's lead.
+    c = _nemotron_hf()
+    del c["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    cfg = ModelConfig.from_hf_config(tmp_path)
+    assert (cfg.eos_token_id, cfg.eos_token_ids) == (12, (12,))
+    # A list survives the HF round trip and our YAML.
+    listed = ModelConfig.from_hf_config(_nemotron_hf(eos_token_id=[3, 5]))
+    assert listed.to_hf_config()["eos_token_id"] == [3, 5]
+    assert ModelConfig.from_hf_config(listed.to_hf_config()).eos_token_ids == (3, 5)
+    listed.to_yaml(tmp_path / "m.yaml")
+    assert ModelConfig.from_yaml(tmp_path / "m.yaml").eos_token_ids == (3, 5)
+
+
+def test_yaml_without_eos_token_ids_takes_eos_token_id(tmp_path):
+    d = ModelConfig.from_preset("nemotron-h-tiny").to_dict()
+    del d["eos_token_ids"]
+    assert ModelConfig.from_dict(d).eos_token_ids == (257,)
+    d["eos_token_id"] = None
+    assert ModelConfig.from_dict(d).eos_token_ids == ()
+
+
+@pytest.mark.parametrize(
+    "eos, message",
+    [
+        ([7, "9"], r"eos_token_id=\[7, '9'\].*int or a list of ints"),
+        ([7, 2.0], "eos_token_id"),
+        ([7, True], "eos_token_id"),
+        ([7, 500], r"eos_token_ids=\(7, 500\)"),
+    ],
+)
+def test_bad_eos_lists_raise_naming_the_field(eos, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(_nemotron_hf(eos_token_id=eos))
+
+
+def test_bad_generation_config_raises_with_its_path(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_nemotron_hf()))
+    (tmp_path / "generation_config.json").write_text("{ nope")
+    with pytest.raises(ValueError, match="generation_config.json"):
+        ModelConfig.from_hf_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1.5]}))
+    with pytest.raises(ValueError, match="generation_config.json eos_token_id"):
+        ModelConfig.from_hf_config(tmp_path)
+
+
+def test_eos_token_id_must_be_in_eos_token_ids():
+    tiny = ModelConfig.from_preset("nemotron-h-tiny")
+    with pytest.raises(ValueError, match="eos_token_ids.*eos_token_id=257"):
+        dataclasses.replace(tiny, eos_token_ids=(5, 6))
+    assert dataclasses.replace(tiny, eos_token_ids=(257, 6)).eos_token_ids == (257, 6)

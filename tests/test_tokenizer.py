@@ -40,7 +40,11 @@ def test_byte_tokenizer_replaces_invalid_utf8():
 
 def test_hf_tokenizer_round_trips_and_takes_specials_from_config(tok_dir):
     cfg = dataclasses.replace(
-        ModelConfig.from_preset("nemotron-h-tiny"), bos_token_id=3, eos_token_id=1, pad_token_id=2
+        ModelConfig.from_preset("nemotron-h-tiny"),
+        bos_token_id=3,
+        eos_token_id=1,
+        eos_token_ids=(1,),
+        pad_token_id=2,
     )
     tok = HFTokenizer(tok_dir, cfg)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (3, 1, 2)

@@ -41,7 +41,7 @@ class LLMEngine:
         self.builder = StepBuilder(
             runner.cache_spec, config.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size
         )
-        self.eos_token_id = model_cfg.eos_token_id
+        self.eos_token_ids = frozenset(model_cfg.eos_token_ids)
         self.stats = EngineStats()
         self._inflight: tuple[ScheduledStep, jax.Array] | None = None
 
@@ -143,7 +143,7 @@ class LLMEngine:
         p = req.params
         if token in p.stop_token_ids:
             return "stop"
-        if not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+        if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens:
             return "length"

@@ -324,7 +324,7 @@ def _find_prefix(names: set[str], path: Path) -> str:
 def _check_config(path: Path, cfg: ModelConfig) -> None:
     ckpt_cfg = ModelConfig.from_hf_config(path)
     for field in ckpt_cfg.to_dict():
-        if field in ("name", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if field in ("name", "bos_token_id", "eos_token_id", "eos_token_ids", "pad_token_id"):
             continue
         a, b = getattr(cfg, field), getattr(ckpt_cfg, field)
         if a != b:
