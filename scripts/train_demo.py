@@ -233,8 +233,9 @@ def count_params(params) -> int:
 
 def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
     """tokenizer.json whose ids are the UTF-8 byte values, then <s>, </s>, <pad>, and unused
-    specials up to the model's vocab; plus tokenizer_config.json naming bos/eos/pad."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    specials up to the model's vocab; its post-processor prepends <s> as the training rows
+    do; plus tokenizer_config.json naming bos/eos/pad."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     # ByteLevel maps byte b to one printable character; ids follow the byte values.
@@ -247,6 +248,9 @@ def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
     specials = ["<s>", "</s>", "<pad>"] + [f"<unused{i}>" for i in range(cfg.vocab_size - 259)]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     assert [tok.token_to_id(s) for s in specials[:3]] == [BOS, EOS, PAD]
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)]
+    )
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(

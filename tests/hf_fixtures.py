@@ -201,3 +201,33 @@ def make_mamba2_checkpoint(
         assert model.lm_head.weight.data_ptr() == model.backbone.embeddings.weight.data_ptr()
     _save(model, path, max_shard_size, with_tokenizer, vocab_size)
     return path, model
+
+
+def edit_tokenizer(
+    path: Path,
+    *,
+    bos_post_processor: bool,
+    add_bos_token: bool | None = None,
+    chat_template: str | None = None,
+) -> None:
+    """Give the tokenizer that `write_tokenizer` saved in `path` a post-processor that
+    prepends <s> (or none), and `add_bos_token` / `chat_template` in tokenizer_config.json."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = (
+        processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A $B:1", special_tokens=[("<s>", bos)]
+        )
+        if bos_post_processor
+        else None
+    )
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    for key, value in (("add_bos_token", add_bos_token), ("chat_template", chat_template)):
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "tokenizer_config.json").write_text(json.dumps(config))

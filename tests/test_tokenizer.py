@@ -1,12 +1,13 @@
 import dataclasses
 import random
+import shutil
 
 import pytest
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-from hf_fixtures import write_tokenizer
+from hf_fixtures import edit_tokenizer, write_tokenizer
 
 TEXT = "hello jax, the state space model keeps a state"
 
@@ -26,7 +27,7 @@ def test_byte_tokenizer_round_trips_random_unicode():
     )
     ids = tok.encode(text)
     assert ids[0] == 256 and ids[1:] == list(text.encode("utf-8"))
-    assert tok.encode(text, add_bos=False) == ids[1:]
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
     assert tok.decode(ids) == text
     # Specials and out-of-range ids (the model's vocab is 272) carry no text.
     assert tok.decode([256, *ids[1:5], 257, 258, 271, *ids[5:]]) == text
@@ -38,7 +39,7 @@ def test_byte_tokenizer_replaces_invalid_utf8():
     assert tok.decode([0xE4, 0xB8]) == "\ufffd"  # a truncated 3-byte sequence
 
 
-def test_hf_tokenizer_round_trips_and_takes_specials_from_config(tok_dir):
+def test_hf_tokenizer_takes_specials_from_tokenizer_config_then_model_config(tok_dir, tmp_path):
     cfg = dataclasses.replace(
         ModelConfig.from_preset("nemotron-h-tiny"),
         bos_token_id=3,
@@ -46,21 +47,39 @@ def test_hf_tokenizer_round_trips_and_takes_specials_from_config(tok_dir):
         eos_token_ids=(1,),
         pad_token_id=2,
     )
+    # tokenizer_config.json names <s>, </s>, <pad>: the tokenizer's own ids win (as in HF).
     tok = HFTokenizer(tok_dir, cfg)
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (3, 1, 2)
-    ids = tok.encode(TEXT)
-    assert ids[0] == 3 and len(ids) < len(TEXT)  # BPE merged something
-    assert all(0 <= i < 97 for i in ids)
-    assert tok.encode(TEXT, add_bos=False) == ids[1:]
-    assert tok.decode(ids[1:]) == TEXT
-
-
-def test_hf_tokenizer_falls_back_to_tokenizer_specials(tok_dir):
-    tok = HFTokenizer(tok_dir)
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    shutil.copy(tok_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    tok = HFTokenizer(tmp_path, cfg)  # no tokenizer_config.json: the model config's
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (3, 1, 2)
+    tok = HFTokenizer(tmp_path)  # neither: common spellings
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+
+
+def test_hf_tokenizer_round_trips_and_skips_specials(tok_dir):
+    tok = HFTokenizer(tok_dir)
     ids = tok.encode(TEXT)
-    assert ids[0] == 1
-    assert tok.decode([*ids, 2, 0]) == TEXT  # specials skipped
+    assert len(ids) < len(TEXT)  # BPE merged something
+    assert all(0 <= i < 97 for i in ids)
+    assert tok.decode([1, *ids, 2, 0]) == TEXT  # specials skipped
+
+
+@pytest.mark.parametrize("bos_post_processor", [True, False])
+@pytest.mark.parametrize("add_bos_token", [True, False, None])
+def test_hf_tokenizer_encodes_as_transformers_does(tmp_path, bos_post_processor, add_bos_token):
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, vocab_size=97)
+    edit_tokenizer(tmp_path, bos_post_processor=bos_post_processor, add_bos_token=add_bos_token)
+    ours, hf = HFTokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for text in (TEXT, "hello", " a  b ", "zz<s>q", "é"):
+        expected = hf(text)["input_ids"]
+        assert ours.encode(text) == expected, text
+        plain = hf(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == plain
+        assert (expected[0] == 1) == bos_post_processor
+    assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id)
 
 
 def test_bad_tokenizer_file_raises_with_its_path(tmp_path):
