@@ -1,20 +1,53 @@
-"""Host-side allocators for state slots and KV pages. Pure bookkeeping: no device access."""
+"""Host-side allocators for state slots and KV pages, and the undo log that makes a step's
+bookkeeping transactional. Pure bookkeeping: no device access."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 class OutOfBlocksError(RuntimeError):
     pass
 
 
+class UndoLog:
+    """While a transaction is open, every change registers how to put it back; a failed
+    transaction undoes them newest first, so everything is exactly as before it began."""
+
+    def __init__(self):
+        self._undo: list[Callable[[], None]] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._undo is not None
+
+    def push(self, undo: Callable[[], None]) -> None:
+        if self._undo is not None:
+            self._undo.append(undo)
+
+    def begin(self) -> None:
+        if self._undo is not None:
+            raise RuntimeError("a transaction is already open")
+        self._undo = []
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        undo, self._undo = self._undo or [], None
+        for fn in reversed(undo):
+            fn()
+
+
 class BlockAllocator:
     """Hands out integer ids in `[0, capacity)`; every id handed out must come back once."""
 
-    def __init__(self, capacity: int, kind: str):
+    def __init__(self, capacity: int, kind: str, undo: UndoLog | None = None):
         if capacity <= 0:
             raise ValueError(f"{kind} capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.kind = kind
+        self.undo = undo if undo is not None else UndoLog()
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low ids first
         self._used: set[int] = set()
 
@@ -27,11 +60,26 @@ class BlockAllocator:
             raise OutOfBlocksError(f"need {n} {self.kind}s, only {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
         self._used.update(ids)
+        self.undo.push(lambda: self._unallocate(ids))
         return ids
 
     def free(self, ids: list[int]) -> None:
+        ids = list(ids)
         for i in ids:
             if i not in self._used:
                 raise ValueError(f"{self.kind} {i} freed twice or never allocated")
+        for i in ids:
             self._used.remove(i)
             self._free.append(i)
+        self.undo.push(lambda: self._unfree(ids))
+
+    def _unallocate(self, ids: list[int]) -> None:
+        for i in reversed(ids):
+            self._used.remove(i)
+            self._free.append(i)
+
+    def _unfree(self, ids: list[int]) -> None:
+        for i in reversed(ids):
+            if self._free.pop() != i:
+                raise RuntimeError(f"{self.kind} undo out of order")
+            self._used.add(i)

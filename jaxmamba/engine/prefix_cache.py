@@ -8,7 +8,9 @@ resume from a node that has a state; nodes without one still share their KV page
 nodes below them.
 
 Pure host bookkeeping: the device writes checkpoints (the step's tracked rows); this tree
-only decides which slot and pages they live in and when they can be reused.
+only decides which slot and pages they live in and when they can be reused. What scheduling
+changes (lookups, references, evictions) goes into the allocators' undo log, so a step that
+fails puts the tree back as it was.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class PrefixCache:
         self.pages_per_block = block_size // page_size
         self.slots = slots
         self.pages = pages
+        self.undo = slots.undo
         self.root = Node(parent=None, key=(), depth=0)
         self._clock = itertools.count(1)
         self.num_nodes = 0
@@ -74,21 +77,34 @@ class PrefixCache:
                 best = Match(node.depth, node.slot, list(path), pages)
         self.query_tokens += max_len
         self.hit_tokens += best.length
+        self.undo.push(lambda: self._uncount(max_len, best.length))
         return best
 
+    def _uncount(self, query: int, hit: int) -> None:
+        self.query_tokens -= query
+        self.hit_tokens -= hit
+
     def acquire(self, nodes: list[Node]) -> None:
+        self._touch(nodes, +1)
+
+    def _touch(self, nodes: list[Node], delta: int) -> None:
         tick = next(self._clock)
+        before = [(node, node.last_used) for node in nodes]
         for node in nodes:
-            node.refs += 1
+            node.refs += delta
             node.last_used = tick
 
+        def undo():
+            for node, last_used in before:
+                node.refs -= delta
+                node.last_used = last_used
+
+        self.undo.push(undo)
+
     def release(self, nodes: list[Node]) -> None:
-        tick = next(self._clock)
-        for node in nodes:
-            if node.refs <= 0:
-                raise RuntimeError("prefix-cache node released more often than acquired")
-            node.refs -= 1
-            node.last_used = tick
+        if any(node.refs <= 0 for node in nodes):
+            raise RuntimeError("prefix-cache node released more often than acquired")
+        self._touch(nodes, -1)
 
     # -- insertion ----------------------------------------------------------------------------
     def insert(
@@ -148,6 +164,7 @@ class PrefixCache:
             victim = min(candidates, key=lambda n: n.last_used)
             if victim.slot is not None:
                 self.slots.free([victim.slot])
+                self.undo.push(lambda v=victim, slot=victim.slot: setattr(v, "slot", slot))
                 victim.slot = None
             self._prune(victim)
 
@@ -158,7 +175,12 @@ class PrefixCache:
             self.pages.free(node.pages)
             del parent.children[node.key]
             self.num_nodes -= 1
+            self.undo.push(lambda p=parent, n=node: self._reattach(p, n))
             node = parent
+
+    def _reattach(self, parent: Node, node: Node) -> None:
+        parent.children[node.key] = node
+        self.num_nodes += 1
 
     def reset(self) -> None:
         """Drop every unreferenced node (e.g. between benchmark runs)."""
