@@ -9,20 +9,22 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmamba.config import ModelConfig, checkpoint_dir
 from jaxmamba.engine.engine import LLMEngine
-from jaxmamba.engine.request import Request, SamplingParams
+from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.engine.scheduler import EngineConfig
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params, param_shapes
+from jaxmamba.sampling_params import SamplingParams
 from jaxmamba.tokenizer import load_tokenizer
+
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 DTYPES = {
     "float32": jnp.float32,
@@ -30,27 +32,6 @@ DTYPES = {
     "bfloat16": jnp.bfloat16,
     "bf16": jnp.bfloat16,
 }
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str | None
-    token_ids: list[int]
-    cumulative_logprob: float
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def load_params(model: str, cfg: ModelConfig, dtype, seed: int):
@@ -107,11 +88,12 @@ class LLM:
             page_size=page_size,
         )
         self.runner = ModelRunner(self.model_cfg, params, spec, dtype=self.dtype, impl=impl)
-        self.engine = LLMEngine(self.model_cfg, self.runner, self.engine_cfg)
+        self.tokenizer = load_tokenizer(model, self.model_cfg)
+        self.engine = LLMEngine(
+            self.model_cfg, self.runner, self.engine_cfg, tokenizer=self.tokenizer, seed=seed
+        )
         if precompile:
             self.engine.precompile()
-        self.tokenizer = load_tokenizer(model, self.model_cfg)
-        self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list[str | None], list[list[int]]]:
@@ -128,63 +110,55 @@ class LLM:
         ids = [[int(t) for t in p] for p in prompt_token_ids]
         return [None] * len(ids), ids
 
-    def _validate(self, i: int, ids: list[int]) -> None:
-        vocab, limit = self.model_cfg.vocab_size, self.engine_cfg.max_model_len
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
-        if len(ids) > limit:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_model_len={limit}")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocab [0, {vocab})")
-
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | Sequence[int] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate a completion for every prompt; outputs come back in prompt order."""
-        texts, ids = self._prompt_ids(prompts, prompt_token_ids)
+        """Generate a completion for every prompt; outputs come back in prompt order.
+        `use_tqdm` shows a progress bar (tqdm's if installed, else a plain counter)."""
+        texts, token_id_lists = self._prompt_ids(prompts, prompt_token_ids)
+        parsed = list(zip(texts, token_id_lists, strict=True))
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(ids)
-        if len(sampling_params) != len(ids):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(ids)} prompts")
-        for i, p in enumerate(ids):
-            self._validate(i, p)
-        requests = [
-            Request(
-                request_id=next(self._ids),
-                prompt_token_ids=p,
-                params=sp,
-                seed=sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**31 - 1)),
-            )
-            for p, sp in zip(ids, sampling_params, strict=True)
-        ]
-        self.engine.run(requests)
-        return [self._output(text, req) for text, req in zip(texts, requests, strict=True)]
-
-    def _output(self, prompt: str | None, req: Request) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob,
-            logprobs=req.output_logprobs if req.params.logprobs is not None else None,
-            finish_reason=req.finish_reason,
-        )
-        return RequestOutput(
-            request_id=str(req.request_id),
-            prompt=prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=req.stats(),
-        )
+            sampling_params = [sampling_params] * len(parsed)
+        if len(sampling_params) != len(parsed):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(parsed)} prompts")
+        engine = self.engine
+        for i, (_, token_ids) in enumerate(parsed):
+            try:
+                engine.check_prompt(token_ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        ids = [str(next(self._ids)) for _ in parsed]
+        outputs: dict[str, RequestOutput] = {}
+        progress = None
+        try:
+            for rid, (text, token_ids), sp in zip(ids, parsed, sampling_params, strict=True):
+                engine.add_request(rid, {"prompt": text, "prompt_token_ids": token_ids}, sp)
+            progress = _progress(len(ids)) if use_tqdm else None
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    if delta.request_id in outputs:
+                        outputs[delta.request_id].add(delta)
+                    else:
+                        outputs[delta.request_id] = delta
+                    if delta.finished and progress is not None:
+                        progress.update(1)
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            if not engine.get_num_unfinished_requests():
+                engine.abort_all()  # also waits for the step in flight and frees its slots
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [outputs[rid] for rid in ids]
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix that no running request uses."""
@@ -195,3 +169,30 @@ class LLM:
     def stats(self) -> dict[str, float]:
         """Engine counters: steps, tokens, device reads, compilations, free slots/pages, hits."""
         return self.engine.counters()
+
+
+class _Counter:
+    """The progress display when tqdm is not installed."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self._show()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self._show()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+    def _show(self) -> None:
+        sys.stderr.write(f"\rprocessed prompts: {self.done}/{self.total}")
+        sys.stderr.flush()
+
+
+def _progress(total: int):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _Counter(total)
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

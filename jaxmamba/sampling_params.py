@@ -18,11 +18,6 @@ from jaxmamba.model.sampling import MAX_LOGPROBS
 # setting one raises instead of being silently ignored. Whoever implements a field removes it.
 NOT_IMPLEMENTED: frozenset[str] = frozenset(
     {
-        "n",
-        "stop",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "max_tokens",  # only `None` (up to max_model_len) is pending; ints work
         "min_tokens",
         "presence_penalty",
         "frequency_penalty",

@@ -180,3 +180,86 @@ def test_request_stats_and_engine_counters(tiny_params):
     stats = llm.stats()
     assert stats["prefill_tokens"] == 50 and stats["decode_tokens"] >= 8
     assert stats["finished_requests"] == 2
+
+
+def scheduler_state(scheduler):
+    """Everything a step's bookkeeping can change, as plain values."""
+    cache = scheduler.prefix_cache
+
+    def tree(node):
+        return [(key, child.slot, child.pages, child.refs, tree(child))
+                for key, child in sorted(node.children.items())]  # fmt: skip
+
+    fields = ("num_computed", "num_scheduled_outputs", "num_cached_tokens", "slot", "init_slot",
+              "pages", "owned_pages", "cached_len")  # fmt: skip
+    requests = [
+        (r.request_id, r.index, *(getattr(r, f) for f in fields), [id(n) for n in r.node_refs])
+        for r in [*scheduler.running, *scheduler.waiting]
+    ]
+    return dict(
+        slots=list(scheduler.slots._free),
+        pages=list(scheduler.pages._free),
+        running=[id(r) for r in scheduler.running],
+        waiting=[id(r) for r in scheduler.waiting],
+        requests=requests,
+        tree=tree(cache.root),
+        counts=(cache.num_nodes, cache.hit_tokens, cache.query_tokens),
+    )
+
+
+@pytest.mark.parametrize("where", ["build", "dispatch"])
+def test_a_step_that_raises_leaves_every_slot_page_and_request_where_it_was(
+    tiny_params, monkeypatch, where
+):
+    llm = tiny_llm(tiny_params, num_state_slots=6, num_pages=44, track_interval=32)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    system = prompts_of([48], seed=5)[0]
+    warm = [system + p for p in prompts_of([5, 40, 17], seed=6)]
+    llm.generate(prompt_token_ids=warm, sampling_params=greedy(10), use_tqdm=False)
+    assert scheduler.prefix_cache.num_nodes > 0  # a full cache: admitting evicts
+    prompts = prompts_of([70, 3, 90, 33, 60], seed=7)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(12))
+    evicted = []
+    real_evict = scheduler.prefix_cache.evict
+
+    def evict(*args, **kw):  # counts the slots and pages evicting freed
+        free = scheduler.slots.num_free + scheduler.pages.num_free
+        real_evict(*args, **kw)
+        evicted.append(scheduler.slots.num_free + scheduler.pages.num_free - free)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(scheduler.prefix_cache, "evict", evict)
+    target = (engine.builder, "build") if where == "build" else (engine.runner, "step")
+    outputs, failures, failed_evictions = {}, 0, 0
+
+    def collect(outs):
+        for out in outs:
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+
+    while engine.has_unfinished_requests():  # every step that dispatches fails twice first
+        before = scheduler_state(scheduler)
+        evicted.clear()
+        with monkeypatch.context() as m:
+            m.setattr(*target, boom)
+            try:
+                outs = engine.step()
+            except RuntimeError as e:
+                assert "injected failure" in str(e)
+                assert scheduler_state(scheduler) == before
+                with pytest.raises(RuntimeError, match="injected failure"):
+                    engine.step()
+                assert scheduler_state(scheduler) == before
+                failures += 1
+                failed_evictions += sum(evicted)
+            else:  # nothing left to dispatch: the step only read the one in flight
+                collect(outs)
+                continue
+        collect(engine.step())
+    assert failures > 5 and failed_evictions > 0  # some failed steps had evicted, put back
+    off = tiny_llm(tiny_params, enable_prefix_caching=False)
+    refs = off.generate(prompt_token_ids=prompts, sampling_params=greedy(12), use_tqdm=False)
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == token_ids(refs)
+    assert_nothing_leaks(llm)

@@ -68,8 +68,9 @@ def test_top_k_one_is_greedy_and_logprobs_are_top_k(llm):
     assert len(completion.logprobs) == 6
     for token, top in zip(completion.token_ids, completion.logprobs, strict=True):
         assert len(top) == 3 and token in top  # greedy: the sampled token is the top one
-        assert max(top.values()) == top[token] <= 0.0
-    probs = np.exp(list(completion.logprobs[0].values()))
+        assert max(v.logprob for v in top.values()) == top[token].logprob <= 0.0
+        assert top[token].rank == 1 and top[token].decoded_token == llm.tokenizer.decode([token])
+    probs = np.exp([v.logprob for v in completion.logprobs[0].values()])
     assert probs.sum() <= 1.0 + 1e-5
 
 

@@ -10,21 +10,23 @@ from jaxmamba.sampling_params import SamplingParams
 __all__ = ["Request", "SamplingParams"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence through the engine.
+    """One sequence through the engine: sample `index` of request `request_id` (a request with
+    `n` samples is `n` of these, each with its own seed).
 
     Counters run ahead of what the host has read: `num_computed` and `num_scheduled_outputs`
     count what dispatched steps will have done, so the next step can be scheduled before the
     previous one's tokens are back (overlap). `output_token_ids` holds the tokens read so far.
     """
 
-    request_id: int
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)  # one {id: Logprob} per token
     cumulative_logprob: float = 0.0
     num_computed: int = 0  # tokens fed to dispatched steps (their state/KV is in the cache)
     num_scheduled_outputs: int = 0  # tokens that dispatched steps will sample for it
@@ -36,6 +38,7 @@ class Request:
     node_refs: list = field(default_factory=list)  # prefix-cache nodes it holds
     cached_len: int = 0  # length of the deepest prefix it has in the cache tree
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -57,6 +60,8 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def max_total_len(self, max_model_len: int) -> int:
+        if self.params.max_tokens is None:
+            return max_model_len
         return min(self.prompt_len + self.params.max_tokens, max_model_len)
 
     def done_scheduling(self, max_model_len: int) -> bool:

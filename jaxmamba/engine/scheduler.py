@@ -5,16 +5,20 @@ read on device from the previous step's sample) plus prefill chunks of at most
 `max_num_batched_tokens` tokens in all, so a step can mix decode rows and prefill chunks.
 Admission reserves a state slot and every KV page the request can need, so a running request
 never waits for memory; the prefix cache is evicted (LRU) when the pools run short.
+
+`transaction()` wraps scheduling a step and dispatching it: every change made inside (queues,
+request counters, slots, pages, prefix-cache references and evictions) is undone if it raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.engine.allocator import BlockAllocator
+from jaxmamba.engine.allocator import BlockAllocator, UndoLog
 from jaxmamba.engine.batch import Bucket, RowSpec, pow2_buckets, smallest_fitting
 from jaxmamba.engine.prefix_cache import PrefixCache
 from jaxmamba.engine.request import Request
@@ -91,8 +95,10 @@ class Scheduler:
             )
         if config.pages < config.max_pages_per_seq:
             raise ValueError(f"num_pages {config.pages} cannot hold one max_model_len sequence")
-        self.slots = BlockAllocator(config.state_slots, "state slot")
-        self.pages = BlockAllocator(config.pages, "KV page")
+        self.undo = UndoLog()
+        self._saved: set[int] = set()  # requests whose fields the open transaction saved
+        self.slots = BlockAllocator(config.state_slots, "state slot", self.undo)
+        self.pages = BlockAllocator(config.pages, "KV page", self.undo)
         self.block_size = math.lcm(model_cfg.chunk_size, config.page_size)
         self.prefix_cache = None
         if config.enable_prefix_caching:
@@ -122,6 +128,30 @@ class Scheduler:
                     buckets.append(Bucket(t, bd + self.max_prefill_rows, bd))
         return buckets
 
+    # -- transactions -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def transaction(self):
+        """Everything changed inside is put back if the block raises."""
+        self.undo.begin()
+        self._saved = set()
+        try:
+            yield
+        except BaseException:
+            self.undo.rollback()
+            raise
+        self.undo.commit()
+
+    _REQUEST_FIELDS = ("num_computed", "num_scheduled_outputs", "num_cached_tokens", "slot",
+                       "init_slot", "pages", "owned_pages", "node_refs", "cached_len")  # fmt: skip
+
+    def _save(self, req: Request) -> None:
+        """Register how to restore `req`'s scheduling fields (once per transaction)."""
+        if not self.undo.active or id(req) in self._saved:
+            return
+        self._saved.add(id(req))
+        before = {name: getattr(req, name) for name in self._REQUEST_FIELDS}
+        self.undo.push(lambda: req.__dict__.update(before))
+
     # -- resources ----------------------------------------------------------------------------
     def _take(self, allocator: BlockAllocator, n: int, *, slots: bool) -> list[int] | None:
         if allocator.num_free < n and self.prefix_cache is not None:
@@ -134,6 +164,7 @@ class Scheduler:
         return allocator.allocate(n)
 
     def _admit(self, req: Request) -> bool:
+        self._save(req)
         cache, page_size = self.prefix_cache, self.config.page_size
         match = None
         if cache is not None:
@@ -217,6 +248,7 @@ class Scheduler:
         row.spec.track_slot, row.spec.track_len, row.track_len = slot[0], length, length
 
     def _schedule_tokens(self, req: Request, n: int, *, from_device: bool) -> ScheduledRow:
+        self._save(req)
         start = req.num_computed
         tokens = [0] if from_device else req.prompt_token_ids[start : start + n]
         row = ScheduledRow(req, self._row(req, tokens, from_device=from_device), samples=False)
@@ -259,6 +291,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            self.undo.push(lambda req=req: (self.running.pop(), self.waiting.appendleft(req)))
             n = min(budget, req.prompt_len - req.num_computed)
             prefill.append(self._schedule_tokens(req, n, from_device=False))
             budget -= n
