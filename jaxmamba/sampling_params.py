@@ -12,18 +12,12 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from jaxmamba.model.sampling import MAX_LOGPROBS
+from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
 
 # Fields that are declared and validated but whose non-default values nothing acts on yet;
 # setting one raises instead of being silently ignored. Whoever implements a field removes it.
 NOT_IMPLEMENTED: frozenset[str] = frozenset(
     {
-        "min_tokens",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_p",
-        "logit_bias",
         "prompt_logprobs",
     }
 )
@@ -131,6 +125,15 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 s(name, _int(name, getattr(self, name), low=0, high=MAX_LOGPROBS))
         s("logit_bias", self._logit_bias(self.logit_bias))
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+            )
+        if self.min_tokens > 0 and len(self.stop_token_ids) > MAX_STOP_IDS - 1:
+            raise ValueError(
+                f"with min_tokens, stop_token_ids holds at most {MAX_STOP_IDS - 1} ids (the "
+                f"eos ids share {MAX_STOP_IDS} slots), got {len(self.stop_token_ids)}"
+            )
         self._reject_unimplemented()
 
     @staticmethod

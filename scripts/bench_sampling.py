@@ -1,7 +1,8 @@
 """Time the on-device sampler at Nemotron-H's vocabulary (131072) for decode batch sizes.
 
-Beside it, the two pieces a sampler could spend separately: a full-vocabulary `jnp.sort` per row
-(top-k/top-p cut-off), and `lax.top_k` of the 20 top logprobs; `sample` does one key-value sort.
+`sample` runs with every feature of a step: logit_bias, min_tokens, the penalties (their
+per-row `[B, V]` state), top-k/top-p/min-p. Beside it, the two pieces it spends separately: a
+full-vocabulary `jnp.sort` per row (the cut-off), and `lax.top_k` of the 20 raw top logprobs.
 
     python scripts/bench_sampling.py [--vocab 131072] [--batch 1 32 128 256]
 """
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba.model.sampling import MAX_LOGPROBS, sample
+from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, Penalties, sample
 
 
 def median_us(fn, *args, reps: int = 30) -> float:
@@ -41,7 +42,22 @@ def main() -> None:
         top_p = jnp.asarray(np.where(kind == 3, 0.9, 1.0), jnp.float32)
         seeds = jnp.arange(b, dtype=jnp.uint32)
         counters = jnp.zeros(b, jnp.int32)
-        t_sample = median_us(sample_jit, logits, temperature, top_p, top_k, seeds, counters)
+        min_p = jnp.full(b, 0.05, jnp.float32)
+        min_tokens = jnp.full(b, 4, jnp.int32)
+        stop_ids = jnp.asarray(rng.integers(0, args.vocab, (b, MAX_STOP_IDS)), jnp.int32)
+        bias_ids = jnp.asarray(rng.integers(0, args.vocab, (b, MAX_LOGIT_BIAS)), jnp.int32)
+        bias_values = jnp.asarray(rng.uniform(-5, 5, (b, MAX_LOGIT_BIAS)), jnp.float32)
+        penalties = Penalties(
+            jnp.asarray(rng.random((b, args.vocab)) < 0.01),
+            jnp.asarray(rng.poisson(0.01, (b, args.vocab)), jnp.int32),
+            jnp.full(b, 0.5, jnp.float32),
+            jnp.full(b, 0.5, jnp.float32),
+            jnp.full(b, 1.2, jnp.float32),
+        )
+        t_sample = median_us(
+            sample_jit, logits, temperature, top_p, top_k, seeds, counters, min_p, min_tokens,
+            stop_ids, bias_ids, bias_values, penalties,
+        )  # fmt: skip
         rows.append((b, t_sample, median_us(sort_jit, logits), median_us(top_k_jit, logits)))
     print(f"{jax.devices()[0].device_kind}, vocab {args.vocab}, jax {jax.__version__}")
     print("| batch | sample µs | full sort µs | top-20 µs |")

@@ -50,7 +50,7 @@ def test_step_jaxpr_has_no_host_callbacks(runner, bucket):
     ]
     inputs = builder(runner).build(rows, bucket)
     step = functools.partial(runner._step_fn, num_decode=bucket.num_decode)
-    closed = jax.make_jaxpr(step)(runner.params, runner.cache, runner.last_tokens, inputs)
+    closed = jax.make_jaxpr(step)(runner.params, runner.cache, runner.slot_state, inputs)
     names = primitive_names(closed.jaxpr)
     assert "scan" in names or bucket.num_decode == bucket.num_rows  # the jaxpr is the real step
     assert not [n for n in names if any(f in n for f in FORBIDDEN)], names
@@ -73,9 +73,15 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
     # Different compositions inside the same buckets: row counts, lengths, slots, sampling.
     for lengths in ([1], [63], [16, 16, 16, 16], [5, 40]):
         run(prefill_rows(rng, lengths, vocab, first_slot=2), prefill_bucket)
+    mixes = [
+        dict(temperature=0.7),
+        dict(temperature=0.9, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=1.3),
+        dict(frequency_penalty=0.5, presence_penalty=-0.5, logit_bias={3: 2.0}),
+        dict(temperature=1.0, min_tokens=4, stop_ids=(1, 2), sample_counter=1),
+    ]
     for n in (1, 3, 4):
         rows = [
-            row([int(rng.integers(vocab))], 40 + i, slot=i, temperature=0.7, seed=i)
+            row([int(rng.integers(vocab))], 40 + i, slot=i, seed=i, **mixes[(n + i) % 4])
             for i in range(n)
         ]
         run(rows, decode_bucket)

@@ -17,8 +17,8 @@ def kept_by_sorting(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     cut = -np.inf
     if top_k > 0:
         cut = max(cut, values[min(top_k, len(values)) - 1])
-    if top_p < 1.0:
-        probs = np.exp(values.astype(np.float64) - values.max())
+    if top_p < 1.0:  # over the top-k survivors, renormalised
+        probs = np.where(values >= cut, np.exp(values.astype(np.float64) - values.max()), 0.0)
         probs /= probs.sum()
         mass_before = np.cumsum(probs) - probs
         num_kept = max(int(np.sum(mass_before < top_p)), 1)

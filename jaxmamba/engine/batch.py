@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, StepInputs
+from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 
 @dataclass
@@ -31,6 +32,13 @@ class RowSpec:
     top_k: int = 0
     seed: int = 0
     sample_counter: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # eos + stop_token_ids, masked until min_tokens are out
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def seq_len(self) -> int:
@@ -105,6 +113,15 @@ class StepBuilder:
         top_k = np.zeros(B, np.int32)
         seeds = np.zeros(B, np.uint32)
         counters = np.zeros(B, np.int32)
+        min_p = np.zeros(B, np.float32)
+        min_tokens = np.zeros(B, np.int32)
+        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
+        bias_ids = np.full((B, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        presence = np.zeros(B, np.float32)
+        frequency = np.zeros(B, np.float32)
+        repetition = np.ones(B, np.float32)
+        penalty_reset = np.zeros(B, bool)
         offset = 0
         for r, row in enumerate(rows):
             n = len(row.tokens)
@@ -124,11 +141,26 @@ class StepBuilder:
             top_k[r] = row.top_k
             seeds[r] = np.uint32(row.seed & 0xFFFFFFFF)
             counters[r] = row.sample_counter
+            min_p[r] = row.min_p
+            presence[r] = row.presence_penalty
+            frequency[r] = row.frequency_penalty
+            repetition[r] = row.repetition_penalty
+            # A request's first step starts from scratch or from a prefix-cache hit's slot.
+            first_step = row.prefix_len == 0 or init_slots[r] != row.state_slot
+            penalty_reset[r] = first_step and row.state_slot != pad_slot
+            if row.min_tokens > 0:
+                min_tokens[r] = row.min_tokens
+                stop_ids[r, : len(row.stop_ids)] = row.stop_ids
+            if row.logit_bias:
+                bias_ids[r, : len(row.logit_bias)] = list(row.logit_bias)
+                bias_values[r, : len(row.logit_bias)] = list(row.logit_bias.values())
         qsl[1 : len(rows) + 1] = np.cumsum([len(row.tokens) for row in rows])
         qsl[len(rows) + 1 :] = offset
         return StepInputs(
             input_ids, from_device, qsl, prefix_lens, state_slots, init_slots, has_init,
             track_slots, track_lens, page_table, temperature, top_p, top_k, seeds, counters,
+            min_p, min_tokens, stop_ids, bias_ids, bias_values, presence, frequency, repetition,
+            penalty_reset,
         )  # fmt: skip
 
     def padding(self, bucket: Bucket) -> StepInputs:
@@ -167,6 +199,7 @@ class StepBuilder:
                 raise ValueError(
                     f"row {r}: token ids {bad[:5]} outside the vocab [0, {self.vocab_size})"
                 )
+            self._validate_sampling(r, row)
             need = -(-row.seq_len // page_size)
             if need > self.max_pages_per_seq:
                 raise ValueError(
@@ -187,3 +220,20 @@ class StepBuilder:
                     )
                 if r < nd and row.track_len != hi:
                     raise ValueError(f"decode row {r}: track_len must equal its length {hi}")
+
+    def _validate_sampling(self, r: int, row: RowSpec) -> None:
+        stop_ids = row.stop_ids if row.min_tokens > 0 else ()
+        bias = row.logit_bias or {}
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(
+                f"row {r}: min_tokens masks {len(stop_ids)} stop ids (eos + stop_token_ids), "
+                f"at most {MAX_STOP_IDS}"
+            )
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"row {r}: {len(bias)} logit_bias entries, at most {MAX_LOGIT_BIAS}")
+        bad = [t for t in (*stop_ids, *bias) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"row {r}: stop/logit_bias token ids {bad[:5]} outside the vocab "
+                f"[0, {self.vocab_size})"
+            )

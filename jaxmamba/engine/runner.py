@@ -1,7 +1,8 @@
 """The model runner: the only part of the engine that touches the device.
 
 It owns the parameters and the cache, and runs one jitted step per call:
-`step(params, cache, inputs) -> (packed sample output, cache)`, donating the cache. The
+`step(params, cache, slot_state, inputs) -> (packed sample output, cache, slot_state)`,
+donating the cache and the per-slot sampler state (`SlotState`). The
 static shape of a step is its bucket `(num_tokens, num_rows, num_decode)`; each bucket
 compiles once.
 """
@@ -19,31 +20,46 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import CacheSpec, StateCache, init_cache
 from jaxmamba.model.metadata import ForwardMetadata, StepInputs
 from jaxmamba.model.model import Mamba2HybridLM
-from jaxmamba.model.sampling import MAX_LOGPROBS, SampleOutput, sample
+from jaxmamba.model.sampling import (
+    MAX_LOGPROBS,
+    Penalties,
+    PenaltyState,
+    SampleOutput,
+    init_penalty_state,
+    record_tokens,
+    sample,
+)
+
+
+class SlotState(NamedTuple):
+    """What the sampler keeps per state slot between steps, on device."""
+
+    last_tokens: jax.Array  # i32[S+1] the slot's last sampled token (fed to its next decode)
+    penalties: PenaltyState  # prompt tokens and output counts, [S+1, V]
 
 
 def pack_sample_output(out: SampleOutput) -> jax.Array:
-    """One `f32[B, 2 + 2 * MAX_LOGPROBS]` array per step (the one device→host transfer): the
-    sampled token, its logprob, the top token ids and their logprobs; ids are bit-cast."""
-    as_f32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32)  # noqa: E731
-    return jnp.concatenate(
-        [as_f32(out.tokens)[:, None], out.logprobs[:, None], as_f32(out.top_ids), out.top_logprobs],
-        axis=-1,
-    )
+    """One `i32[B, 3 + 2 * MAX_LOGPROBS]` array per step (the one device→host transfer): the
+    sampled token, its logprob, its rank, the top token ids and their logprobs; the float
+    logprobs are bit-cast to int32, the ids are stored as they are."""
+    as_i32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+    columns = [out.tokens[:, None], as_i32(out.logprobs)[:, None], out.ranks[:, None]]
+    return jnp.concatenate([*columns, out.top_ids, as_i32(out.top_logprobs)], axis=-1)
 
 
 class HostSample(NamedTuple):
     tokens: np.ndarray  # i32[B]
     logprobs: np.ndarray  # f32[B]
+    ranks: np.ndarray  # i32[B] 1-based rank of the sampled token under the raw model
     top_ids: np.ndarray  # i32[B, MAX_LOGPROBS]
     top_logprobs: np.ndarray  # f32[B, MAX_LOGPROBS]
 
 
 def unpack_sample_output(packed: np.ndarray) -> HostSample:
-    packed = np.ascontiguousarray(packed, dtype=np.float32)
-    ints = packed.view(np.int32)
+    ints = np.ascontiguousarray(packed, dtype=np.int32)
+    floats = ints.view(np.float32)
     k = MAX_LOGPROBS
-    return HostSample(ints[:, 0], packed[:, 1], ints[:, 2 : 2 + k], packed[:, 2 + k : 2 + 2 * k])
+    return HostSample(ints[:, 0], floats[:, 1], ints[:, 2], ints[:, 3 : 3 + k], floats[:, 3 + k :])
 
 
 def build_metadata(model: Mamba2HybridLM, spec: CacheSpec, inputs: StepInputs, num_decode: int):
@@ -72,20 +88,32 @@ def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> j
 TRACE_COUNTS: Counter = Counter()
 
 
-def step_fn(params, cache: StateCache, last_tokens, inputs: StepInputs, *, model, spec, num_decode):
+def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
+            num_decode):  # fmt: skip
     """One engine step: forward, sample at each row's last token, remember the samples."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
     meta = build_metadata(model, spec, inputs, num_decode)
-    input_ids = _input_ids(inputs, last_tokens, num_decode)
+    input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
     hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
     logits = model.apply(
         {"params": params}, hidden[meta.last_token_index], method=Mamba2HybridLM.logits
     )
+    slots = inputs.state_slots
+    seen = record_tokens(
+        slot_state.penalties, input_ids, meta.token_rows, meta.token_valid, slots,
+        inputs.penalty_reset, num_decode=num_decode, pad_slot=spec.pad_slot,
+    )  # fmt: skip
+    penalties = Penalties(
+        seen.prompt_mask[slots], seen.output_counts[slots], inputs.presence_penalty,
+        inputs.frequency_penalty, inputs.repetition_penalty,
+    )  # fmt: skip
     out = sample(
-        logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_counters
-    )
-    last_tokens = last_tokens.at[inputs.state_slots].set(out.tokens)
-    return pack_sample_output(out), cache, last_tokens
+        logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
+        inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
+        inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
+    )  # fmt: skip
+    last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
+    return pack_sample_output(out), cache, SlotState(last_tokens, seen)
 
 
 def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
@@ -101,7 +129,7 @@ def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num
 jitted_step = jax.jit(
     step_fn,
     static_argnames=("model", "spec", "num_decode"),
-    donate_argnames=("cache", "last_tokens"),
+    donate_argnames=("cache", "slot_state"),
 )
 jitted_logits = jax.jit(
     logits_fn, static_argnames=("model", "spec", "num_decode"), donate_argnames=("cache",)
@@ -125,7 +153,10 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
         self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
-        self.last_tokens = jnp.zeros(cache_spec.num_slots + 1, jnp.int32)
+        self.slot_state = SlotState(
+            jnp.zeros(cache_spec.num_slots + 1, jnp.int32),
+            init_penalty_state(cache_spec.num_slots, cfg.vocab_size),
+        )
         self._static = dict(model=self.model, spec=cache_spec)
 
     @property
@@ -133,9 +164,9 @@ class ModelRunner:
         """Compilations of this model+cache shape in this process (shared between runners)."""
         return TRACE_COUNTS[(self.model, self.cache_spec)]
 
-    def _step_fn(self, params, cache, last_tokens, inputs, *, num_decode):
+    def _step_fn(self, params, cache, slot_state, inputs, *, num_decode):
         """The step body, unjitted (for jaxpr inspection)."""
-        return step_fn(params, cache, last_tokens, inputs, num_decode=num_decode, **self._static)
+        return step_fn(params, cache, slot_state, inputs, num_decode=num_decode, **self._static)
 
     def forward_logits(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Like `step`, but returns float32 logits for every token `[T, V]` (scoring, tests)."""
@@ -146,8 +177,8 @@ class ModelRunner:
 
     def step(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Dispatch one step; returns the packed device output without waiting for it."""
-        packed, self.cache, self.last_tokens = jitted_step(
-            self.params, self.cache, self.last_tokens, jax.device_put(inputs),
+        packed, self.cache, self.slot_state = jitted_step(
+            self.params, self.cache, self.slot_state, jax.device_put(inputs),
             num_decode=num_decode, **self._static,
         )  # fmt: skip
         return packed
@@ -155,7 +186,7 @@ class ModelRunner:
     def step_args(self, inputs: StepInputs, num_decode: int) -> tuple[tuple, dict]:
         """`(args, kwargs)` of `jitted_step` for these inputs (lowering, export)."""
         kwargs = dict(num_decode=num_decode, **self._static)
-        return (self.params, self.cache, self.last_tokens, inputs), kwargs
+        return (self.params, self.cache, self.slot_state, inputs), kwargs
 
     def precompile(self, buckets, build_inputs, progress=None) -> None:
         """Compile (and run once, on padding only) the step of every bucket."""

@@ -167,7 +167,8 @@ class Scheduler:
         self._save(req)
         cache, page_size = self.prefix_cache, self.config.page_size
         match = None
-        if cache is not None:
+        # The repetition penalty needs every prompt token fed (a hit's are never fed).
+        if cache is not None and req.params.repetition_penalty == 1.0:
             match = cache.match(req.prompt_token_ids, req.prompt_len - 1)
             cache.acquire(match.path)  # pin before evicting for this request's own needs
         shared = match.pages if match else []
@@ -236,7 +237,20 @@ class Scheduler:
             top_k=p.top_k,
             seed=req.seed,
             sample_counter=req.num_scheduled_outputs,
+            min_p=p.min_p,
+            min_tokens=p.min_tokens,
+            stop_ids=self._min_tokens_stop_ids(p),
+            logit_bias=p.logit_bias,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
         )
+
+    def _min_tokens_stop_ids(self, p) -> tuple[int, ...]:
+        if p.min_tokens == 0:
+            return ()
+        eos = () if p.ignore_eos else self.model_cfg.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *p.stop_token_ids)))
 
     def _maybe_track(self, row: ScheduledRow, length: int) -> None:
         req = row.request

@@ -43,6 +43,15 @@ class StepInputs(NamedTuple):
     top_k: jax.Array  # i32[B] 0 = off
     seeds: jax.Array  # u32[B] per-request sampling seed
     sample_counters: jax.Array  # i32[B] tokens sampled so far (folds into the seed)
+    min_p: jax.Array  # f32[B] 0 = off
+    min_tokens: jax.Array  # i32[B] stop_ids are masked while sample_counters < min_tokens
+    stop_ids: jax.Array  # i32[B, MAX_STOP_IDS] eos + stop_token_ids (-1 = pad)
+    logit_bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS] (-1 = pad)
+    logit_bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]
+    presence_penalty: jax.Array  # f32[B] 0 = off
+    frequency_penalty: jax.Array  # f32[B] 0 = off
+    repetition_penalty: jax.Array  # f32[B] 1 = off
+    penalty_reset: jax.Array  # bool[B] the row is its request's first step (clears its slot)
 
 
 class PrefillMetadata(NamedTuple):

@@ -11,6 +11,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import CacheSpec, init_cache
 from jaxmamba.model.metadata import ForwardMetadata, StepInputs
 from jaxmamba.model.model import Mamba2HybridLM
+from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 
 def _dummy_step(cfg: ModelConfig, dtype):
@@ -33,6 +34,15 @@ def _dummy_step(cfg: ModelConfig, dtype):
         top_k=np.zeros(1, np.int32),
         seeds=np.zeros(1, np.uint32),
         sample_counters=np.zeros(1, np.int32),
+        min_p=np.zeros(1, np.float32),
+        min_tokens=np.zeros(1, np.int32),
+        stop_ids=np.full((1, MAX_STOP_IDS), -1, np.int32),
+        logit_bias_ids=np.full((1, MAX_LOGIT_BIAS), -1, np.int32),
+        logit_bias_values=np.zeros((1, MAX_LOGIT_BIAS), np.float32),
+        presence_penalty=np.zeros(1, np.float32),
+        frequency_penalty=np.zeros(1, np.float32),
+        repetition_penalty=np.ones(1, np.float32),
+        penalty_reset=np.ones(1, bool),
     )
     meta = ForwardMetadata.build(
         inputs, num_decode=0, chunk_size=cfg.chunk_size, page_size=T, pad_page=1, pad_slot=1

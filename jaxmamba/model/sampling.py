@@ -1,4 +1,15 @@
-"""Token sampling on device: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling on device, in vLLM's order, with per-row parameters and seeds.
+
+Per row: logit_bias is added and, until `min_tokens` tokens are out, the row's stop ids are
+masked; then the repetition, frequency and presence penalties, temperature, top-k, top-p over
+the top-k survivors renormalised, and min-p. Greedy rows (temperature 0) take the argmax of
+the processed logits. Every parameter is a per-row array, so a new mix of parameters never
+recompiles.
+
+The penalties read `PenaltyState`, one row per state slot, kept on device and updated inside
+the step (`record_tokens`): which tokens the slot's prompt holds, and how often each output
+token came out.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +21,78 @@ import jax.numpy as jnp
 # Top logprobs are always computed for this many tokens (a static shape); a request asks for
 # up to this many (vLLM's default `max_logprobs` is the same).
 MAX_LOGPROBS = 20
+# Per-row padded sizes (pad entries are -1): logit_bias entries, and the stop ids (eos and
+# stop_token_ids) that min_tokens masks.
+MAX_LOGIT_BIAS = 64
+MAX_STOP_IDS = 16
+
+
+class PenaltyState(NamedTuple):
+    """Per state slot, what the penalties need: `(1 + 4) * V` bytes a slot."""
+
+    prompt_mask: jax.Array  # bool[S+1, V] token occurs in the slot's prompt
+    output_counts: jax.Array  # i32[S+1, V] times the slot's request has output the token
+
+
+class Penalties(NamedTuple):
+    """One step's rows: their slots' penalty state and their penalty parameters."""
+
+    prompt_mask: jax.Array  # bool[B, V]
+    output_counts: jax.Array  # i32[B, V]
+    presence: jax.Array  # f32[B] 0 = off
+    frequency: jax.Array  # f32[B] 0 = off
+    repetition: jax.Array  # f32[B] 1 = off
+
+
+def init_penalty_state(num_slots: int, vocab: int) -> PenaltyState:
+    """State for `num_slots` slots and the pad slot."""
+    return PenaltyState(
+        jnp.zeros((num_slots + 1, vocab), bool), jnp.zeros((num_slots + 1, vocab), jnp.int32)
+    )
+
+
+def record_tokens(
+    state: PenaltyState,
+    input_ids: jax.Array,  # i32[T] the step's tokens (decode rows' are their last outputs)
+    token_rows: jax.Array,  # i32[T]
+    token_valid: jax.Array,  # bool[T]
+    state_slots: jax.Array,  # i32[B] (pad rows: the pad slot)
+    reset: jax.Array,  # bool[B] the row is its request's first step: clear its slot first
+    *,
+    num_decode: int,
+    pad_slot: int,
+) -> PenaltyState:
+    """Add a step's tokens: a decode row's input is its previous output, so it is counted
+    before this step samples; prefill rows carry prompt tokens."""
+    prompt_mask, counts = state
+    num_rows = state_slots.shape[0]
+    if num_decode:
+        counts = counts.at[state_slots[:num_decode], input_ids[:num_decode]].add(1)
+    if num_rows > num_decode:
+        reset_slots = jnp.where(reset[num_decode:], state_slots[num_decode:], pad_slot)
+        prompt_mask = prompt_mask.at[reset_slots].set(False)
+        counts = counts.at[reset_slots].set(0)
+        token_slots = jnp.where(token_valid, state_slots[token_rows], pad_slot)[num_decode:]
+        prompt_mask = prompt_mask.at[token_slots, input_ids[num_decode:]].set(True)
+    return PenaltyState(prompt_mask, counts)
+
+
+def apply_penalties(logits: jax.Array, p: Penalties) -> jax.Array:  # f32[B, V]
+    """vLLM's penalties: a token seen in the prompt or the output has a positive logit divided
+    by `repetition` and a negative one multiplied; then `frequency` times its output count and
+    `presence` if it was output at all are subtracted."""
+    output = p.output_counts > 0
+    rp = p.repetition[:, None]
+    penalised = jnp.where(logits > 0, logits / rp, logits * rp)
+    logits = jnp.where(p.prompt_mask | output, penalised, logits)
+    logits = logits - p.frequency[:, None] * p.output_counts.astype(jnp.float32)
+    return logits - p.presence[:, None] * output.astype(jnp.float32)
 
 
 class SampleOutput(NamedTuple):
     tokens: jax.Array  # i32[B]
     logprobs: jax.Array  # f32[B] log-probability of the sampled token under the raw model
+    ranks: jax.Array  # i32[B] 1-based rank of the sampled token under the raw model
     top_ids: jax.Array  # i32[B, MAX_LOGPROBS]
     top_logprobs: jax.Array  # f32[B, MAX_LOGPROBS]
 
@@ -23,18 +101,52 @@ def filter_cutoff(
     sorted_desc: jax.Array,  # f32[B, V] temperature-scaled logits, sorted descending
     top_k: jax.Array,  # i32[B] 0 → off
     top_p: jax.Array,  # f32[B] 1 → off
+    min_p: jax.Array | None = None,  # f32[B] 0 → off
 ) -> jax.Array:
-    """f32[B]: the lowest scaled logit a row keeps. top-k keeps the k largest; top-p the
-    smallest prefix of the sorted distribution whose mass reaches top_p (the most likely
-    token is always kept); the cut is the higher of the two."""
+    """f32[B]: the lowest scaled logit a row keeps, applying in turn
+
+    * top-k: the k largest (every copy of the k-th value);
+    * top-p: of those, renormalised, the smallest prefix whose mass reaches top_p;
+    * min-p: those whose probability is at least min_p times the most likely one's.
+
+    The most likely token is always kept. Each step keeps a prefix of the sorted row, so the
+    result is the highest of the three cut values.
+    """
     vocab = sorted_desc.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth_value = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]
-    sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+    in_top_k = sorted_desc >= kth_value[:, None]
+    top_k_logits = jnp.where(in_top_k, sorted_desc, -jnp.inf)
+    sorted_probs = jax.nn.softmax(top_k_logits, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
+    num_kept = jnp.maximum(jnp.sum(in_top_k & (mass_before < top_p[:, None]), axis=-1), 1)
+    # Off means off: in float32 the running mass reaches 1 before a long tail ends.
+    num_kept = jnp.where(top_p < 1.0, num_kept, vocab)
     top_p_value = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)[:, 0]
-    return jnp.maximum(kth_value, top_p_value)
+    cut = jnp.maximum(kth_value, top_p_value)
+    if min_p is not None:
+        ratio = jnp.exp(sorted_desc - sorted_desc[:, :1])  # p / p_max, renormalising cancels
+        num_min_p = jnp.maximum(jnp.sum(ratio >= min_p[:, None], axis=-1), 1)
+        min_p_value = jnp.take_along_axis(sorted_desc, (num_min_p - 1)[:, None], axis=-1)[:, 0]
+        cut = jnp.maximum(cut, min_p_value)
+    return cut
+
+
+def process_logits(
+    logits: jax.Array,  # f32[B, V]
+    counters: jax.Array,  # i32[B] tokens sampled so far
+    min_tokens: jax.Array,  # i32[B]
+    stop_ids: jax.Array,  # i32[B, MAX_STOP_IDS] -1 = pad
+    bias_ids: jax.Array,  # i32[B, MAX_LOGIT_BIAS] -1 = pad
+    bias_values: jax.Array,  # f32[B, MAX_LOGIT_BIAS]
+) -> jax.Array:
+    """f32[B, V]: logit_bias added, and stop ids at -inf while a row is below min_tokens."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    bias = jnp.where(bias_ids >= 0, bias_values, 0.0)
+    logits = logits.at[rows, bias_ids].add(bias, mode="drop")
+    masking = (counters < min_tokens)[:, None] & (stop_ids >= 0)
+    stop_ids = jnp.where(masking, stop_ids, -1)
+    return logits.at[rows, stop_ids].set(-jnp.inf, mode="drop")
 
 
 def sample(
@@ -44,25 +156,31 @@ def sample(
     top_k: jax.Array,  # i32[B] 0 → off
     seeds: jax.Array,  # u32[B]
     counters: jax.Array,  # i32[B] how many tokens the request has sampled before
+    min_p: jax.Array | None = None,  # f32[B] 0 → off
+    min_tokens: jax.Array | None = None,  # i32[B]
+    stop_ids: jax.Array | None = None,  # i32[B, MAX_STOP_IDS]
+    bias_ids: jax.Array | None = None,  # i32[B, MAX_LOGIT_BIAS]
+    bias_values: jax.Array | None = None,  # f32[B, MAX_LOGIT_BIAS]
+    penalties: Penalties | None = None,
 ) -> SampleOutput:
-    """Sample one token per row: greedy, or a Gumbel-max draw from the temperature-scaled
-    distribution cut by top-k/top-p (``filter_cutoff``).
+    """Sample one token per row: greedy, or a Gumbel-max draw from the processed,
+    temperature-scaled distribution cut by top-k/top-p/min-p (``filter_cutoff``).
 
-    One key-value sort of each row's logits serves both the cut-off (scaling by a positive
-    temperature keeps the order) and the top logprobs: a separate ``lax.top_k`` of 20 costs
-    as much as the sort itself (``scripts/bench_sampling.py``, docs/benchmarks.md).
+    Logprobs, ranks and the top logprobs are those of the raw model (vLLM's default).
     """
     vocab = logits.shape[-1]
-    logits = logits.astype(jnp.float32)
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    neg_sorted, sorted_ids = jax.lax.sort((-logits, ids), dimension=1, num_keys=1)
-    sorted_logits = -neg_sorted
-    log_norm = jax.nn.logsumexp(sorted_logits, axis=-1, keepdims=True)
-    greedy = sorted_ids[:, 0]
+    raw = logits.astype(jnp.float32)
+    log_norm = jax.nn.logsumexp(raw, axis=-1)
+    processed = raw
+    if bias_ids is not None:
+        processed = process_logits(raw, counters, min_tokens, stop_ids, bias_ids, bias_values)
+    if penalties is not None:
+        processed = apply_penalties(processed, penalties)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
-    inv_temperature = 1.0 / jnp.maximum(temperature, 1e-6)[:, None]
-    cutoff = filter_cutoff(sorted_logits * inv_temperature, top_k, top_p)
-    scaled = logits * inv_temperature
+    scaled = processed / jnp.maximum(temperature, 1e-6)[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    cutoff = filter_cutoff(sorted_desc, top_k, top_p, min_p)
     masked = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
 
     def row_key(seed, counter):
@@ -73,6 +191,14 @@ def sample(
     sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
     tokens = jnp.where(temperature > 0, sampled, greedy)
 
+    token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
+    ranks = jnp.sum(raw >= token_logits, axis=-1).astype(jnp.int32)
     k = min(MAX_LOGPROBS, vocab)
-    token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm[:, 0]
-    return SampleOutput(tokens, token_logprobs, sorted_ids[:, :k], sorted_logits[:, :k] - log_norm)
+    top_logits, top_ids = jax.lax.top_k(raw, k)
+    return SampleOutput(
+        tokens,
+        token_logits[:, 0] - log_norm,
+        ranks,
+        top_ids.astype(jnp.int32),
+        top_logits - log_norm[:, None],
+    )

@@ -39,7 +39,7 @@ def callbacks_in_step(llm: LLM) -> int:
     for bucket in engine.scheduler.all_buckets():
         step = functools.partial(runner._step_fn, num_decode=bucket.num_decode)
         inputs = engine.builder.padding(bucket)
-        jaxpr = jax.make_jaxpr(step)(runner.params, runner.cache, runner.last_tokens, inputs).jaxpr
+        jaxpr = jax.make_jaxpr(step)(runner.params, runner.cache, runner.slot_state, inputs).jaxpr
         count += sum(any(c in n for c in CALLBACKS) for n in primitives(jaxpr))
     return count
 
