@@ -105,6 +105,9 @@ def bench_one_batch(
     context does not need one giant prefill; the timed prefill is always one step. With
     ``trace_dir``, each timed phase runs once more under the JAX profiler, into
     ``trace_dir/<phase>``."""
+    for name, value in (("batch", batch), ("input_len", input_len), ("output_len", output_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     unknown = set(phases) - {"prefill", "decode"}
     if unknown or not phases:
         raise ValueError(f"phases must be a non-empty subset of prefill/decode, got {phases}")

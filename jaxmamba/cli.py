@@ -9,6 +9,16 @@ import time
 DEMO_MODEL = "nemotron-h-demo"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -16,11 +26,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help=f"preset name, YAML path or HF checkpoint directory (default: {DEMO_MODEL}, the "
         "built-in model trained on Python's standard library)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: the checkpoint's torch_dtype; float32 for random-weight presets",
+    )
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=_positive_int, default=8)
+    p.add_argument("--max-model-len", type=_positive_int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
 
 
 def _llm(args):
@@ -79,10 +97,10 @@ def cmd_bench(args) -> int:
 
     from jaxmamba.bench import bench_one_batch, format_results
     from jaxmamba.config import ModelConfig
-    from jaxmamba.llm import DTYPES, load_params
+    from jaxmamba.llm import DTYPES, load_params, resolve_dtype
 
     cfg = ModelConfig.load(args.model)
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[resolve_dtype(args.dtype, args.model)]
     params = load_params(args.model, cfg, dtype, args.seed)
     results = []
     for batch in args.batch_size:
@@ -105,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions and print tokens/s")
     _add_model_args(gen)
+    _add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.8)
@@ -112,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+    # One static batch on the model runner: no scheduler, so no engine limits to set.
     bench = sub.add_parser("bench", help="prefill/decode throughput of one static batch")
     _add_model_args(bench)
-    bench.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
-    bench.add_argument("--input-len", type=int, nargs="+", default=[512])
-    bench.add_argument("--output-len", type=int, default=32)
+    bench.add_argument("--batch-size", type=_positive_int, nargs="+", default=[1, 8])
+    bench.add_argument("--input-len", type=_positive_int, nargs="+", default=[512])
+    bench.add_argument("--output-len", type=_positive_int, default=32)
     bench.add_argument("--impl", default="auto", choices=["auto", "ref", "pallas"])
     bench.add_argument(
         "--small-m-impl",

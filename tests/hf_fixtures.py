@@ -211,7 +211,9 @@ def edit_tokenizer(
     chat_template: str | None = None,
 ) -> None:
     """Give the tokenizer that `write_tokenizer` saved in `path` a post-processor that
-    prepends <s> (or none), and `add_bos_token` / `chat_template` in tokenizer_config.json."""
+    prepends <s> (or none), and `add_bos_token` / `chat_template` in tokenizer_config.json.
+    Its `tokenizer_class` is the generic one: without it, transformers 5 picks the model
+    type's class (GPTNeoXTokenizer for mamba2), which replaces tokenizer.json's pipeline."""
     from tokenizers import Tokenizer, processors
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -225,6 +227,7 @@ def edit_tokenizer(
     )
     tok.save(str(path / "tokenizer.json"))
     config = json.loads((path / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
     for key, value in (("add_bos_token", add_bos_token), ("chat_template", chat_template)):
         if value is None:
             config.pop(key, None)

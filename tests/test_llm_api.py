@@ -146,3 +146,128 @@ def test_cli_generate_prints_throughput_and_rejects_bad_models(capsys):
     assert "generated tokens/s" in out and "'hi'" in out
     assert main(["generate", "--model", "no-such-preset"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_every_vllm_prompt_form_gives_the_same_completion(llm):
+    ids = llm.get_tokenizer().encode("JAX")
+    assert ids == [256, *b"JAX"]
+    (ref,) = llm.generate("JAX", greedy(5))
+    forms = [
+        llm.generate(["JAX"], greedy(5)),
+        llm.generate({"prompt": "JAX"}, greedy(5)),
+        llm.generate([{"prompt": "JAX"}], greedy(5)),
+        llm.generate({"prompt_token_ids": ids}, greedy(5)),
+        llm.generate([{"prompt_token_ids": np.array(ids, np.int64)}], greedy(5)),
+        llm.generate(prompt_token_ids=ids, sampling_params=greedy(5)),
+        llm.generate(prompt_token_ids=[ids], sampling_params=greedy(5)),
+        llm.generate(prompt_token_ids=np.array(ids, np.int32), sampling_params=greedy(5)),
+        llm.generate(prompt_token_ids=np.array([ids]), sampling_params=greedy(5)),
+    ]
+    for (out,) in forms:
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    mixed = llm.generate(["JAX", {"prompt_token_ids": ids}, {"prompt": "JAX"}], greedy(5))
+    assert [o.prompt for o in mixed] == ["JAX", None, "JAX"]
+    assert all(o.outputs[0].token_ids == ref.outputs[0].token_ids for o in mixed)
+
+
+BAD_PROMPTS = [
+    (dict(prompts={"text": "hi"}), TypeError, r"keys \['text'\]"),
+    (dict(prompts={"prompt": "hi", "extra": 1}), TypeError, r"keys \['extra', 'prompt'\]"),
+    (dict(prompts={"prompt": b"hi"}), TypeError, r"\['prompt'\] must be a str, got bytes"),
+    (dict(prompts=5), TypeError, "got int"),
+    (dict(prompts=[[104, 105]]), TypeError, r"prompts\[0\].*got list"),
+    (dict(prompts={"prompt_token_ids": [1, 2.5]}), TypeError, r"\[1\] must be an int.*float"),
+    (dict(prompts={"prompt_token_ids": "hi"}), TypeError, "got str"),
+    (dict(prompt_token_ids=[1.0, 2.0]), TypeError, "float"),
+    (dict(prompt_token_ids=[True, 3]), TypeError, "bool"),
+    (dict(prompt_token_ids=[[1, 2], [3, [4]]]), TypeError, r"prompt_token_ids\[1\]\[1\]"),
+    (dict(prompt_token_ids=np.array([1.0, 2.0])), TypeError, "float64"),
+    (dict(prompt_token_ids=np.zeros((1, 1, 2), int)), TypeError, "3-D"),
+    (dict(prompt_token_ids=[[1, 2], []]), ValueError, "prompt 1 is empty"),
+    (dict(prompt_token_ids=[]), ValueError, "no prompts"),
+    (dict(prompts=[]), ValueError, "no prompts"),
+    (dict(prompt_token_ids=[5, 272]), ValueError, r"\[272\] outside the vocab \[0, 272\)"),
+    (dict(prompt_token_ids=[-1]), ValueError, "outside the vocab"),
+    (dict(prompts="hi", prompt_token_ids=[1]), ValueError, "not both"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_PROMPTS)
+def test_bad_prompts_raise_naming_the_type_and_the_next_request_works(llm, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        llm.generate(sampling_params=greedy(2), **kwargs)
+    (out,) = llm.generate("ok", greedy(2))
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_dtype_auto_is_the_checkpoints_torch_dtype(tmp_path):
+    from jaxmamba.llm import resolve_dtype
+
+    assert resolve_dtype("auto", "nemotron-h-tiny") == "float32"  # random weights
+    assert resolve_dtype("bf16", "nemotron-h-tiny") == "bf16"
+    path, _ = make_nemotron_h_checkpoint(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    assert config.get("torch_dtype", config.get("dtype")) == "float32"
+    assert resolve_dtype("auto", str(path)) == "float32"
+    for named, expected in (("bfloat16", "bfloat16"), ("float16", "bfloat16"), (None, "float32")):
+        config.pop("dtype", None)
+        config["torch_dtype"] = named
+        (path / "config.json").write_text(json.dumps(config))
+        assert resolve_dtype("auto", str(path)) == expected, named
+    config["torch_dtype"] = "int8"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="torch_dtype='int8'"):
+        resolve_dtype("auto", str(path))
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        resolve_dtype("float64", "nemotron-h-tiny")
+
+
+def test_default_track_interval_fits_a_chunk_size_that_is_no_power_of_two(tmp_path):
+    from jaxmamba.engine.scheduler import EngineConfig
+
+    assert EngineConfig().for_chunk_size(48).track_interval == 288  # lcm(48, 16) * 6
+    assert EngineConfig(page_size=32).for_chunk_size(24).track_interval == 288
+    assert EngineConfig().for_chunk_size(64).track_interval == 256
+    with pytest.raises(
+        ValueError, match=r"track_interval=100 .*lcm\(chunk_size=48, page_size=16\)"
+    ):
+        EngineConfig(track_interval=100).for_chunk_size(48)
+    for field, value in (("page_size", 0), ("track_interval", -16), ("max_num_seqs", 2.0)):
+        with pytest.raises(ValueError, match=f"EngineConfig.{field} must be a positive int"):
+            EngineConfig(**{field: value})
+    path, _ = make_nemotron_h_checkpoint(tmp_path / "m", chunk_size=12, with_tokenizer=True)
+    llm = LLM(str(path), max_num_seqs=2, max_model_len=64)
+    assert llm.engine_cfg.track_interval == 288  # lcm(12, 16) = 48
+    (out,) = llm.generate("the quick brown fox", greedy(5))
+    assert len(out.outputs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--batch-size", "0"], "--batch-size: must be a positive int, got 0"),
+        (["bench", "--output-len", "0"], "--output-len: must be a positive int, got 0"),
+        (["bench", "--input-len", "x"], "--input-len: must be a positive int, got 'x'"),
+        (["bench", "--max-model-len", "64"], "unrecognized arguments: --max-model-len"),
+        (["generate", "--max-num-seqs", "0"], "--max-num-seqs: must be a positive int"),
+    ],
+)
+def test_cli_rejects_bad_sizes_and_bench_offers_no_engine_limits(capsys, argv, message):
+    from jaxmamba.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_one_batch_rejects_empty_sizes():
+    from jaxmamba.bench import bench_one_batch
+    from jaxmamba.config import ModelConfig
+
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    for field in ("batch", "input_len", "output_len"):
+        sizes = {"batch": 1, "input_len": 4, "output_len": 2, field: 0}
+        with pytest.raises(ValueError, match=f"{field} must be a positive int, got 0"):
+            bench_one_batch(cfg, None, **sizes)

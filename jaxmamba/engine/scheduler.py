@@ -13,6 +13,7 @@ request counters, slots, pages, prefix-cache references and evictions) is undone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -33,15 +34,35 @@ class EngineConfig:
     max_prefill_seqs: int = 8  # prefill rows per step
     page_size: int = 16
     enable_prefix_caching: bool = True
-    track_interval: int = 256  # decode checkpoints every this many tokens (a block multiple)
+    # Decode checkpoints every this many tokens, a multiple of lcm(chunk_size, page_size);
+    # default (None): the first such multiple >= 256, see `for_chunk_size`.
+    track_interval: int | None = None
     num_state_slots: int | None = None  # default: max_num_seqs, twice that with prefix caching
     num_pages: int | None = None  # default: every row at max_model_len, 2x with caching
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                     "max_prefill_seqs", "page_size", "track_interval"):  # fmt: skip
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                     "max_prefill_seqs", "page_size", "track_interval",
+                     "num_state_slots", "num_pages"):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and name in ("track_interval", "num_state_slots", "num_pages"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+
+    def for_chunk_size(self, chunk_size: int) -> EngineConfig:
+        """This config with `track_interval` resolved for a model of `chunk_size`: a user's
+        value must be a multiple of lcm(chunk_size, page_size); the default is the first
+        multiple >= 256 (chunk sizes need not be powers of two)."""
+        block = math.lcm(chunk_size, self.page_size)
+        if self.track_interval is None:
+            return dataclasses.replace(self, track_interval=block * -(-256 // block))
+        if self.track_interval % block:
+            raise ValueError(
+                f"track_interval={self.track_interval} must be a multiple of "
+                f"lcm(chunk_size={chunk_size}, page_size={self.page_size}) = {block}"
+            )
+        return self
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -88,6 +109,7 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, model_cfg: ModelConfig, config: EngineConfig):
         self.model_cfg = model_cfg
+        config = config.for_chunk_size(model_cfg.chunk_size)
         self.config = config
         if config.max_num_seqs > config.state_slots:
             raise ValueError(
@@ -102,11 +124,6 @@ class Scheduler:
         self.block_size = math.lcm(model_cfg.chunk_size, config.page_size)
         self.prefix_cache = None
         if config.enable_prefix_caching:
-            if config.track_interval % self.block_size:
-                raise ValueError(
-                    f"track_interval {config.track_interval} must be a multiple of "
-                    f"lcm(chunk_size, page_size) = {self.block_size}"
-                )
             self.prefix_cache = PrefixCache(
                 self.block_size, config.page_size, self.slots, self.pages
             )

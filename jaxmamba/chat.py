@@ -1,0 +1,91 @@
+"""Chat templates: a conversation rendered to prompt text with the tokenizer's Jinja template,
+in the environment transformers' `apply_chat_template` gives it (sandboxed, `trim_blocks` and
+`lstrip_blocks`, loop controls, `raise_exception`, `tojson`, `strftime_now`, the special tokens
+by name, `{% generation %}` blocks rendered as their body)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from jaxmamba.tokenizer import Tokenizer
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    **kwargs: Any,
+) -> str:
+    """`messages` ([{"role", "content"}, ...]) as the prompt text of `chat_template`, else of
+    the tokenizer's own template (tokenizer_config.json `chat_template`)."""
+    template = _pick_template(chat_template or getattr(tokenizer, "chat_template", None))
+    if not isinstance(messages, list | tuple):
+        raise TypeError(f"a conversation must be a list of message dicts, got {type(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+    specials = dict(getattr(tokenizer, "special_tokens", {}) or {})
+    return _compile(template).render(
+        messages=list(messages),
+        add_generation_prompt=add_generation_prompt,
+        **{"tools": None, "documents": None, **specials, **kwargs},
+    )
+
+
+def _pick_template(template: Any) -> str:
+    # tokenizer_config.json may hold several named templates: [{"name", "template"}, ...].
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not isinstance(template, str):
+        raise ValueError(
+            "no chat template: the tokenizer's tokenizer_config.json has no chat_template "
+            "(a string, or a 'default' among named ones); pass chat_template="
+        )
+    return template
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
