@@ -74,6 +74,21 @@ def test_top_k_one_is_greedy_and_logprobs_are_top_k(llm):
     assert probs.sum() <= 1.0 + 1e-5
 
 
+def test_sampled_token_rank_is_its_place_among_the_top_logprobs(llm):
+    # High temperature: many sampled tokens are not the most likely one.
+    sp = SamplingParams(max_tokens=24, temperature=3.0, seed=11, ignore_eos=True, logprobs=20)
+    completion = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp)[0].outputs[0]
+    ranks = []
+    for token, top in zip(completion.token_ids, completion.logprobs, strict=True):
+        others = [v.logprob for t, v in top.items() if t != token]
+        if len(top) > 20:  # the sampled token is outside the top 20
+            assert top[token].rank > 20 and top[token].logprob <= min(others)
+        else:
+            assert top[token].rank == 1 + sum(lp > top[token].logprob for lp in others)
+        ranks.append(top[token].rank)
+    assert max(ranks) > 1
+
+
 def test_stop_token_ends_generation(llm):
     prompt = [[1, 2, 3]]
     (first,) = llm.generate(prompt_token_ids=prompt, sampling_params=greedy(6))

@@ -324,8 +324,7 @@ class LLMEngine:
         """vLLM's layout: the sampled token first, then the top-k (rank 1 = most likely)."""
         decode = self._token_text
         ids, values = sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist()
-        rank = ids.index(token) + 1 if token in ids else None
-        top = {token: Logprob(logprob, rank, decode(token))}
+        top = {token: Logprob(logprob, int(sampled.ranks[i]), decode(token))}
         for rank, (t, v) in enumerate(zip(ids, values, strict=True), start=1):
             if t not in top:
                 top[t] = Logprob(v, rank, decode(t))
