@@ -82,6 +82,6 @@ def test_greedy_generation_matches_hf_generate(checkpoint):
             torch.log_softmax(step_logits[0].float(), -1)[tok].item()
             for step_logits, tok in zip(gen.logits, hf_tokens, strict=True)
         ]
-        ours = [completion.logprobs[i][tok] for i, tok in enumerate(hf_tokens)]
+        ours = [completion.logprobs[i][tok].logprob for i, tok in enumerate(hf_tokens)]
         np.testing.assert_allclose(ours, hf_logprobs, atol=1e-4, rtol=0)
         assert all(len(lp) >= 2 for lp in completion.logprobs)
