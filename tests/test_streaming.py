@@ -42,15 +42,21 @@ def stream(llm, prompts, params):
     return deltas
 
 
-def test_byte_split_multibyte_text_streams_without_replacement_chars():
-    tok = ByteTokenizer()
-    detok = IncrementalDetokenizer(tok)
+def feed_one_at_a_time(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    """The text deltas of streaming `ids` a token a step, the last one after the flush."""
     pieces = []
-    for byte in TEXT.encode("utf-8"):
-        detok.update([byte], stopped_on_token=False)
+    for t in ids:
+        detok.update([t], stopped_on_token=False)
         pieces.append(detok.take_delta(finished=False))
     detok.flush()
     pieces.append(detok.take_delta(finished=True))
+    return pieces
+
+
+def test_byte_split_multibyte_text_streams_without_replacement_chars():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok)
+    pieces = feed_one_at_a_time(detok, list(TEXT.encode("utf-8")))
     assert "".join(pieces) == TEXT
     assert not any("\ufffd" in p for p in pieces)
 
@@ -61,12 +67,7 @@ def test_invalid_bytes_stream_as_one_decode_of_everything():
     for _ in range(20):
         ids = rng.integers(0, 256, 40).tolist()
         detok = IncrementalDetokenizer(tok)
-        pieces = []
-        for t in ids:
-            detok.update([t], stopped_on_token=False)
-            pieces.append(detok.take_delta(finished=False))
-        detok.flush()
-        pieces.append(detok.take_delta(finished=True))
+        pieces = feed_one_at_a_time(detok, ids)
         assert "".join(pieces) == bytes(ids).decode("utf-8", errors="replace")
 
 
@@ -195,10 +196,5 @@ def test_metaspace_bpe_streams_as_one_decode_of_everything(tmp_path):
     for skip in (True, False):
         ids = rng.integers(0, tok.vocab_size, 60).tolist()
         detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-        pieces = []
-        for t in ids:
-            detok.update([t], stopped_on_token=False)
-            pieces.append(detok.take_delta(finished=False))
-        detok.flush()
-        pieces.append(detok.take_delta(finished=True))
+        pieces = feed_one_at_a_time(detok, ids)
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
