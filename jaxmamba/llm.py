@@ -19,10 +19,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig, checkpoint_dir
+from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.engine import LLMEngine
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.engine.runner import ModelRunner
-from jaxmamba.engine.scheduler import EngineConfig
 from jaxmamba.inputs import parse_prompts
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params, param_shapes

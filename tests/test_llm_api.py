@@ -239,7 +239,7 @@ def test_dtype_auto_is_the_checkpoints_torch_dtype(tmp_path):
 
 
 def test_default_track_interval_fits_a_chunk_size_that_is_no_power_of_two(tmp_path):
-    from jaxmamba.engine.scheduler import EngineConfig
+    from jaxmamba.engine.config import EngineConfig
 
     assert EngineConfig().for_chunk_size(48).track_interval == 288  # lcm(48, 16) * 6
     assert EngineConfig(page_size=32).for_chunk_size(24).track_interval == 288

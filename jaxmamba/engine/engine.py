@@ -25,11 +25,12 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.batch import StepBuilder
+from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.detokenizer import IncrementalDetokenizer
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.engine.request import Request
 from jaxmamba.engine.runner import ModelRunner, unpack_sample_output
-from jaxmamba.engine.scheduler import EngineConfig, ScheduledStep, Scheduler
+from jaxmamba.engine.scheduler import ScheduledStep, Scheduler
 from jaxmamba.sampling_params import SamplingParams
 
 
