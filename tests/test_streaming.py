@@ -109,12 +109,14 @@ def test_streamed_deltas_concatenate_to_the_final_text(llm):
 
 
 def first_stop(ids, stops, tok, include):
-    """Oracle: the first token after which the text holds a stop string; the text cut there."""
+    """Oracle: the first token after which the text holds a stop string; of those it holds,
+    the first in `stops` order (vLLM's choice); the text cut there."""
     for k in range(1, len(ids) + 1):
         text = tok.decode(ids[:k])
-        hits = [(text.find(s), j, s) for j, s in enumerate(stops) if s in text]
+        hits = [s for s in stops if s in text]
         if hits:
-            pos, _, s = min(hits)
+            s = hits[0]
+            pos = text.find(s)
             return ids[:k], text[: pos + len(s) if include else pos], s
     return None
 
@@ -131,7 +133,8 @@ def test_stop_strings_match_a_plain_search_over_the_text(llm, include):
         ids, text = out.outputs[0].token_ids, out.outputs[0].text
         clean = [j for j in range(10, len(text) - 3) if "\ufffd" not in text[j : j + 3]]
         j = int(rng.choice(clean))
-        stops = [text[j : j + 3], text[j + 1 : j + 3], "\x00never"]
+        # Both complete at the same token; the later-starting one comes first in the list.
+        stops = [text[j + 1 : j + 3], text[j : j + 3], "\x00never"]
         params.append(sample(60, seed=i, stop=stops, include_stop_str_in_output=include))
         expected.append(first_stop(ids, stops, tok, include))
     deltas = stream(llm, prompts, params)
@@ -141,6 +144,24 @@ def test_stop_strings_match_a_plain_search_over_the_text(llm, include):
         assert [t for o in outs for t in o.outputs[0].token_ids] == want_ids
         assert "".join(o.outputs[0].text for o in outs) == want_text
         assert (last.finish_reason, last.stop_reason) == ("stop", want_stop)
+
+
+@pytest.mark.parametrize(("include", "want_text"), [(False, "abc"), (True, "abcde")])
+def test_several_stop_strings_in_one_update_pick_the_first_in_list_order(include, want_text):
+    """vLLM's check_stop_strings: list order, not position, decides; with
+    include_stop_str_in_output the text is cut after the stop string, not at the new end."""
+    detok = IncrementalDetokenizer(
+        ByteTokenizer(), stop=("de", "bc", "zz"), include_stop_str_in_output=include
+    )
+    assert detok.update(list(b"abcdefg"), stopped_on_token=False) == "de"
+    assert detok.take_delta(finished=True) == want_text
+
+
+def test_a_stop_token_ends_the_text_without_a_stop_string_search():
+    """As vLLM: when an eos/stop token ends the sequence, stop strings are not searched."""
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=("xy",), include_stop_str_in_output=True)
+    assert detok.update(list(b"axy"), stopped_on_token=True) is None
+    assert detok.take_delta(finished=True) == "axy"
 
 
 def test_n_samples_equal_independent_requests_with_their_seeds(llm):

@@ -57,6 +57,7 @@ class IncrementalDetokenizer:
             self.text += self._decode_next(final=False)
         if stopped_on_token:
             self.text += self._decode_next(final=True)
+            return None  # a stop token ended it: vLLM checks no stop strings then
         if self.stop and self.num_output_tokens > self.min_tokens:
             self.stop_string = self._find_stop(len(self.text) - before)
         return self.stop_string
@@ -87,14 +88,13 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def _find_stop(self, num_new_chars: int) -> str | None:
-        """The earliest stop string that ends in the new text; cuts the text there."""
-        best = None
+        """vLLM's `check_stop_strings`: the first stop string, in the order of `stop`, that
+        occurs in the new text (or straddles its start); the text is cut before it, or after
+        it with `include_stop_str_in_output`."""
+        text = self.text
         for s in self.stop:
-            i = self.text.find(s, max(len(self.text) - num_new_chars - len(s) + 1, 0))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        i, s = best
-        self.text = self.text[: i + len(s) if self.include_stop_str_in_output else i]
-        return s
+            i = text.find(s, max(len(text) - num_new_chars - len(s) + 1, 0))
+            if i >= 0:
+                self.text = text[: i + len(s) if self.include_stop_str_in_output else i]
+                return s
+        return None
