@@ -20,25 +20,9 @@ import yaml
 # Presets are package data of `jaxmamba.configs` (the repo's configs/ folder).
 CONFIGS_DIR = Path(str(importlib.resources.files("jaxmamba.configs")))
 
-LAYER_TYPES = ("mamba", "attention", "mlp")
-MODEL_TYPES = ("nemotron_h", "mamba2")
-MLP_ACTIVATIONS = ("relu2",)
-
-# Every spelling of a layer type in HF configs: transformers 5 names, legacy names and the
-# single-character `hybrid_override_pattern` codes.
-_LAYER_TYPE_ALIASES = {
-    "mamba": "mamba",
-    "linear_attention": "mamba",
-    "M": "mamba",
-    "attention": "attention",
-    "full_attention": "attention",
-    "*": "attention",
-    "mlp": "mlp",
-    "-": "mlp",
-}
-_MOE_LAYER_TYPES = ("moe", "E")
-
-_HF_LAYER_NAMES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
+LAYER_TYPES = ("mamba", "attention", "mlp", "moe", "parallel")
+MLP_ACTIVATIONS = ("relu2", "silu_glu")
+MOE_ROUTERS = ("softmax_topk", "sigmoid_grouped")
 
 
 @dataclass(frozen=True)
@@ -76,6 +60,31 @@ class ModelConfig:
     # Every id that ends generation (config.json and generation_config.json may list several);
     # `eos_token_id` is the first of them. Left empty, it is `(eos_token_id,)`.
     eos_token_ids: tuple[int, ...] = ()
+    # ----- what the other families need; the defaults are the Nemotron-H/Mamba2 behaviour -----
+    # Mamba2 output gate: rmsnorm(y * silu(z)) per group when True, y * silu(z) when False.
+    mamba_rms_norm: bool = True
+    # Attention: RoPE (rope_theta 0: none) on the first rope_dim dims of each head (0: all).
+    rope_theta: float = 0.0
+    rope_dim: int = 0
+    attention_scale: float = 0.0  # 0: head_dim**-0.5
+    # Multipliers applied at run time (others are folded into weights by the family's map).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0  # on every sub-block's output before the residual add
+    logits_multiplier: float = 1.0
+    # "moe" layers: X routed experts (top-k), plus a shared expert when its width is > 0.
+    # Experts and the shared expert use mlp_activation.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_intermediate_size: int = 0
+    # softmax_topk: softmax over the top-k router logits (Granite). sigmoid_grouped: sigmoid
+    # scores + correction bias, top-k within the best moe_topk_groups of moe_num_groups groups,
+    # optional renormalisation, times moe_routed_scaling (DeepSeek-V3 / Nemotron-H).
+    moe_router: str = "softmax_topk"
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_norm_topk_prob: bool = False
+    moe_routed_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         # Normalise YAML/JSON lists so equality and hashing behave.
@@ -92,8 +101,10 @@ class ModelConfig:
         self._validate()
 
     def _validate(self) -> None:
-        if self.model_type not in MODEL_TYPES:
-            _bad("model_type", self.model_type, f"one of {MODEL_TYPES}")
+        from jaxmamba.model.families import families
+
+        if self.model_type not in families():
+            _bad("model_type", self.model_type, f"one of {tuple(sorted(families()))}")
         if not self.layer_types:
             _bad("layer_types", self.layer_types, "at least one layer")
         for i, t in enumerate(self.layer_types):
@@ -107,8 +118,10 @@ class ModelConfig:
         positive += ["conv_kernel", "chunk_size"]
         if self.attention_layers:
             positive += ["num_attention_heads", "num_key_value_heads", "head_dim"]
-        if "mlp" in self.layer_types:
+        if "mlp" in self.layer_types or "parallel" in self.layer_types:
             positive += ["intermediate_size"]
+        if "moe" in self.layer_types:
+            positive += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
         for field in positive:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -126,6 +139,7 @@ class ModelConfig:
             )
         if self.mlp_activation not in MLP_ACTIVATIONS:
             _bad("mlp_activation", self.mlp_activation, f"one of {MLP_ACTIVATIONS}")
+        self._validate_extensions()
         if len(self.time_step_limit) != 2:
             _bad("time_step_limit", self.time_step_limit, "a pair (min, max)")
         lo, hi = self.time_step_limit
@@ -145,6 +159,34 @@ class ModelConfig:
                 self.eos_token_ids,
                 f"a set holding eos_token_id={self.eos_token_id}",
             )
+
+    def _validate_extensions(self) -> None:
+        for field in ("rope_theta", "attention_scale", "moe_routed_scaling"):
+            value = getattr(self, field)
+            if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
+                _bad(field, value, "a finite float >= 0")
+        for field in ("embedding_multiplier", "residual_multiplier", "logits_multiplier"):
+            value = getattr(self, field)
+            if not (isinstance(value, int | float) and math.isfinite(value)):
+                _bad(field, value, "a finite float")
+        if self.rope_theta and self.attention_layers:
+            if self.rope_dim % 2 or not 0 <= self.rope_dim <= self.head_dim:
+                _bad("rope_dim", self.rope_dim, f"even, in [0, head_dim={self.head_dim}]")
+        if "moe" in self.layer_types:
+            if self.moe_router not in MOE_ROUTERS:
+                _bad("moe_router", self.moe_router, f"one of {MOE_ROUTERS}")
+            if self.num_experts_per_tok > self.num_experts:
+                _bad("num_experts_per_tok", self.num_experts_per_tok,
+                     f"at most num_experts={self.num_experts}")  # fmt: skip
+            g = self.moe_num_groups
+            if not isinstance(g, int) or g <= 0 or self.num_experts % g:
+                _bad("moe_num_groups", g, f"a divisor of num_experts={self.num_experts}")
+            if not 0 < self.moe_topk_groups <= g:
+                _bad("moe_topk_groups", self.moe_topk_groups, f"in [1, moe_num_groups={g}]")
+            if self.moe_router == "sigmoid_grouped" and g > 1 and self.num_experts // g < 2:
+                _bad("moe_num_groups", g, "groups of at least 2 experts (scored by their top 2)")
+            if self.moe_shared_intermediate_size < 0:
+                _bad("moe_shared_intermediate_size", self.moe_shared_intermediate_size, ">= 0")
 
     # ----- derived sizes -----
 
@@ -167,11 +209,13 @@ class ModelConfig:
 
     @property
     def mamba_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "mamba")
+        """Layers with a Mamba2 mixer (and so a conv and an SSM state)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("mamba", "parallel"))
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "attention")
+        """Layers with attention (and so a paged KV cache)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("attention", "parallel"))
 
     @property
     def num_mamba_layers(self) -> int:
@@ -201,7 +245,7 @@ class ModelConfig:
         missing = sorted(
             f.name
             for f in dataclasses.fields(cls)
-            if f.name not in d and f.name not in ("name", "eos_token_ids")
+            if f.name not in d and f.default is dataclasses.MISSING
         )
         if missing:
             raise ValueError(f"{source}: missing ModelConfig fields {missing}")
@@ -267,15 +311,9 @@ class ModelConfig:
             if not isinstance(config, dict):
                 raise ValueError(f"HF config {path} is not a JSON object")
             generation = _read_generation_config(path.parent / "generation_config.json")
-        model_type = config.get("model_type")
-        if model_type == "nemotron_h":
-            cfg = _from_nemotron_h(config, name)
-        elif model_type == "mamba2":
-            cfg = _from_mamba2(config, name)
-        else:
-            raise ValueError(
-                f"unsupported model_type {model_type!r} in HF config; supported: {MODEL_TYPES}"
-            )
+        from jaxmamba.model.families import get_family
+
+        cfg = get_family(config.get("model_type")).from_hf(config, name)
         # HF and vLLM stop on every eos id of both files; config.json's first one leads.
         eos_ids = [
             *_token_ids(config, "eos_token_id", "HF config"),
@@ -288,61 +326,12 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict that transformers loads as this model."""
-        common = {
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "layer_norm_epsilon": self.norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "n_groups": self.n_groups,
-            "conv_kernel": self.conv_kernel,
-            "chunk_size": self.chunk_size,
-            "use_conv_bias": self.use_conv_bias,
-            "use_bias": self.mamba_proj_bias,
-            "residual_in_fp32": self.residual_in_fp32,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": (
-                list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_id
-            ),
-            "pad_token_id": self.pad_token_id,
-        }
-        lo, hi = self.time_step_limit
-        if self.model_type == "mamba2":
-            expand, rem = divmod(self.d_inner, self.hidden_size)
-            if rem:
-                _bad("mamba_num_heads", self.mamba_num_heads, "d_inner a multiple of hidden_size")
-            return {
-                "model_type": "mamba2",
-                "architectures": ["Mamba2ForCausalLM"],
-                **common,
-                "num_hidden_layers": self.num_layers,
-                "num_heads": self.mamba_num_heads,
-                "head_dim": self.mamba_head_dim,
-                "state_size": self.ssm_state_size,
-                "expand": expand,
-                "hidden_act": "silu",
-                "time_step_limit": [lo, hi],
-            }
-        if hi != math.inf:
-            # HF NemotronH hard-codes the upper clamp to inf; it cannot express another.
-            _bad("time_step_limit", self.time_step_limit, "(min, inf) for nemotron_h")
-        return {
-            "model_type": "nemotron_h",
-            "architectures": ["NemotronHForCausalLM"],
-            **common,
-            "layers_block_type": [_HF_LAYER_NAMES[t] for t in self.layer_types],
-            "mamba_num_heads": self.mamba_num_heads,
-            "mamba_head_dim": self.mamba_head_dim,
-            "ssm_state_size": self.ssm_state_size,
-            "mamba_hidden_act": "silu",
-            "time_step_min": lo,
-            "num_attention_heads": self.num_attention_heads or 1,
-            "num_key_value_heads": self.num_key_value_heads or 1,
-            "head_dim": self.head_dim or 1,
-            "attention_bias": self.attention_bias,
-            "intermediate_size": self.intermediate_size or 1,
-            "mlp_bias": self.mlp_bias,
-            "mlp_hidden_act": self.mlp_activation,
-        }
+        from jaxmamba.model.families import get_family
+
+        family = get_family(self.model_type)
+        if family.to_hf is None:
+            raise ValueError(f"writing a {self.model_type} config.json is not implemented")
+        return family.to_hf(self)
 
 
 def list_presets() -> list[str]:
@@ -376,31 +365,8 @@ def _bad(field: str, value: Any, expected: str) -> None:
     raise ValueError(f"ModelConfig.{field}={value!r} is invalid: expected {expected}")
 
 
-def _get(config: dict, *names: str, default: Any = None) -> Any:
-    """The first of `names` present in an HF config (transformers renamed several keys)."""
-    for n in names:
-        if n in config and config[n] is not None:
-            return config[n]
-    return default
-
-
-def _float(value: Any) -> float:
-    # transformers 5 writes non-finite floats as {"__float__": "Infinity"}.
-    if isinstance(value, dict) and "__float__" in value:
-        value = value["__float__"]
-    return float(value)
-
-
 def _is_id(value: Any, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
-
-
-def _token_id(config: dict, key: str, default: int | None) -> int | None:
-    """The (first) id of `key`; HF allows a list of eos ids (chat models), see `_token_ids`."""
-    value = config.get(key, default)
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value
 
 
 def _token_ids(config: dict, key: str, source: str) -> list[int]:
@@ -427,129 +393,3 @@ def _read_generation_config(path: Path) -> dict:
     if not isinstance(d, dict):
         raise ValueError(f"{path} is not a JSON object")
     return d
-
-
-def _require_act(config: dict, key: str, expected: str, default: str) -> None:
-    value = config.get(key, default)
-    if value != expected:
-        raise ValueError(f"HF config {key}={value!r} is unsupported: only {expected!r}")
-
-
-def _nemotron_h_layer_types(config: dict) -> tuple[str, ...]:
-    field = next(
-        (k for k in ("layers_block_type", "layer_types") if config.get(k) is not None), None
-    )
-    if field is not None:
-        raw = list(config[field])
-    elif config.get("hybrid_override_pattern") is not None:
-        field, raw = "hybrid_override_pattern", list(config["hybrid_override_pattern"])
-    else:
-        raise ValueError(
-            "HF nemotron_h config has no layers_block_type, layer_types or hybrid_override_pattern"
-        )
-    out = []
-    for i, t in enumerate(raw):
-        if t in _MOE_LAYER_TYPES:
-            raise ValueError(
-                f"HF config {field}[{i}]={t!r}: MoE layers are not supported (dense models only)"
-            )
-        if t not in _LAYER_TYPE_ALIASES:
-            raise ValueError(f"HF config {field}[{i}]={t!r} is not a known layer type")
-        out.append(_LAYER_TYPE_ALIASES[t])
-    return tuple(out)
-
-
-def _from_nemotron_h(c: dict, name: str) -> ModelConfig:
-    layer_types = _nemotron_h_layer_types(c)
-    _require_act(c, "mamba_hidden_act", "silu", "silu")
-    mlp_act = c.get("mlp_hidden_act", "relu2")
-    if mlp_act not in MLP_ACTIVATIONS:
-        raise ValueError(
-            f"HF config mlp_hidden_act={mlp_act!r} is unsupported: only {MLP_ACTIVATIONS}"
-        )
-    # transformers' NemotronHAttention never applies RoPE (rope_theta etc. are inert there), so
-    # those keys are ignored; an explicit position embedding or a sliding window would change
-    # the numbers and is refused.
-    pos = c.get("position_embedding_type")
-    if pos not in (None, "none"):
-        raise ValueError(f"HF config position_embedding_type={pos!r} is unsupported (no RoPE)")
-    if c.get("sliding_window") is not None:
-        raise ValueError(f"HF config sliding_window={c['sliding_window']!r} is unsupported")
-    # num_nextn_predict_layers > 0 adds multi-token-prediction heads (`mtp.*` tensors); we serve
-    # the main model only, so they are ignored here and skipped by the loader.
-    num_heads = c.get("num_attention_heads", 32)
-    hidden = c.get("hidden_size", 4096)
-    return ModelConfig(
-        model_type="nemotron_h",
-        vocab_size=c.get("vocab_size", 131072),
-        hidden_size=hidden,
-        layer_types=layer_types,
-        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        mamba_num_heads=c.get("mamba_num_heads", 128),
-        mamba_head_dim=c.get("mamba_head_dim", 64),
-        n_groups=_get(c, "n_groups", "mamba_n_groups", default=8),
-        ssm_state_size=c.get("ssm_state_size", 128),
-        conv_kernel=_get(c, "conv_kernel", "mamba_d_conv", default=4),
-        chunk_size=_get(c, "chunk_size", "mamba_chunk_size", default=128),
-        use_conv_bias=bool(_get(c, "use_conv_bias", "mamba_conv_bias", default=True)),
-        # The modeling code biases in_proj/out_proj by `use_bias` (not `mamba_proj_bias`).
-        mamba_proj_bias=bool(c.get("use_bias", False)),
-        # HF NemotronH clamps dt to (time_step_min, inf) and ignores config.time_step_limit.
-        time_step_limit=(_float(_get(c, "time_step_min", "mamba_dt_min", default=0.001)), math.inf),
-        residual_in_fp32=bool(c.get("residual_in_fp32", False)),
-        num_attention_heads=num_heads,
-        num_key_value_heads=_get(c, "num_key_value_heads", default=num_heads),
-        head_dim=_get(c, "head_dim", default=hidden // num_heads),
-        attention_bias=bool(c.get("attention_bias", False)),
-        intermediate_size=c.get("intermediate_size", 21504),
-        mlp_bias=bool(c.get("mlp_bias", False)),
-        mlp_activation=mlp_act,
-        bos_token_id=_token_id(c, "bos_token_id", 1),
-        eos_token_id=_token_id(c, "eos_token_id", 2),
-        pad_token_id=_token_id(c, "pad_token_id", 0),
-        name=name,
-    )
-
-
-def _from_mamba2(c: dict, name: str) -> ModelConfig:
-    _require_act(c, "hidden_act", "silu", "silu")
-    hidden = c.get("hidden_size", 4096)
-    num_heads = c.get("num_heads", 128)
-    head_dim = c.get("head_dim", 64)
-    expand = c.get("expand", 2)
-    if expand * hidden != num_heads * head_dim:
-        raise ValueError(
-            f"HF mamba2 config expand*hidden_size={expand}*{hidden} != "
-            f"num_heads*head_dim={num_heads}*{head_dim}"
-        )
-    limit = c.get("time_step_limit", (0.0, math.inf))
-    return ModelConfig(
-        model_type="mamba2",
-        vocab_size=c.get("vocab_size", 32768),
-        hidden_size=hidden,
-        layer_types=("mamba",) * c.get("num_hidden_layers", 64),
-        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        mamba_num_heads=num_heads,
-        mamba_head_dim=head_dim,
-        n_groups=c.get("n_groups", 8),
-        ssm_state_size=c.get("state_size", 128),
-        conv_kernel=c.get("conv_kernel", 4),
-        chunk_size=c.get("chunk_size", 256),
-        use_conv_bias=bool(c.get("use_conv_bias", True)),
-        mamba_proj_bias=bool(c.get("use_bias", False)),
-        time_step_limit=tuple(_float(v) for v in limit),
-        residual_in_fp32=bool(c.get("residual_in_fp32", True)),
-        num_attention_heads=0,
-        num_key_value_heads=0,
-        head_dim=0,
-        attention_bias=False,
-        intermediate_size=0,
-        mlp_bias=False,
-        mlp_activation="relu2",
-        bos_token_id=_token_id(c, "bos_token_id", 0),
-        eos_token_id=_token_id(c, "eos_token_id", 2),
-        pad_token_id=_token_id(c, "pad_token_id", 1),
-        name=name,
-    )

@@ -221,11 +221,11 @@ def test_unsupported_or_bad_hf_config_raises_naming_the_field(config, message):
 def test_bad_dataclass_values_raise_naming_the_field():
     tiny = ModelConfig.from_preset("nemotron-h-tiny")
     for field, value in (
-        ("layer_types", ("mamba", "moe")),
-        ("mlp_activation", "silu"),
+        ("layer_types", ("mamba", "rwkv")),
+        ("mlp_activation", "gelu"),
         ("chunk_size", 0),
         ("norm_eps", 0.0),
-        ("model_type", "bamba"),
+        ("model_type", "jamba"),
         ("n_groups", 3),
     ):
         with pytest.raises(ValueError, match=field):

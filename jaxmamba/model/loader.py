@@ -1,15 +1,8 @@
 """HF checkpoints (config.json + *.safetensors) <-> our parameter tree. Host side only.
 
-Param tree (plain nested dicts; E hidden, V vocab, F MLP width, K conv width):
-
-    {"embed": {"embedding": [V, E]},
-     "layers_{i}": {"norm": {"scale": [E]}, "mixer": MIXER},
-     "norm_f": {"scale": [E]},
-     "lm_head": {"kernel": [E, V]}}          # absent when tie_word_embeddings
-
-HF Linear weights are [out, in]; our kernels are [in, out]. HF conv1d weights are
-[conv_dim, 1, K]; ours are [K, conv_dim]. A_log, D, dt_bias and norm scales load as float32,
-everything else in the requested dtype.
+Which HF tensor becomes which array of our tree is the model family's parameter map
+(`jaxmamba.model.families`, the tree's layout in `families/common.py`). A_log, D, dt_bias and
+norm scales load as float32, everything else in the requested dtype.
 
 Safetensors files are read through our own small header parser and `np.memmap`, because the
 `safetensors` numpy backend cannot represent bfloat16 (ml_dtypes can), and memory-mapping keeps
@@ -23,8 +16,6 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +25,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxmamba.config import ModelConfig
+from jaxmamba.model.families import get_family
+from jaxmamba.model.families.common import Entry, is_base
 
 Params = dict[str, Any]
 
@@ -45,9 +38,6 @@ IGNORABLE_TENSORS = (
     re.compile(r"^mtp\."),  # NemotronH multi-token-prediction heads (num_nextn_predict_layers)
     re.compile(r"(^|\.)rotary_emb\.inv_freq$"),  # non-persistent RoPE buffers of old exports
 )
-# Prefixes of the base model in HF checkpoints: `backbone.` (Mamba2, NVIDIA's NemotronH
-# exports), `model.` (transformers 5 NemotronH), or none (a bare base model).
-BASE_PREFIXES = ("backbone.", "model.", "")
 
 _ST_DTYPES = {
     "F64": np.dtype(np.float64),
@@ -195,98 +185,8 @@ class _Checkpoint:
 # name/shape plan
 
 
-@dataclass(frozen=True)
-class _Entry:
-    path: tuple[str, ...]  # our path in the param tree
-    hf_name: str  # HF name without the base prefix ("lm_head.weight" is outside the base)
-    hf_shape: tuple[int, ...]
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
-    fp32: bool  # kept in float32 regardless of the requested dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        # A zero-stride view: the transforms run on it without allocating anything.
-        return tuple(self.to_ours(np.broadcast_to(np.int8(0), self.hf_shape)).shape)
-
-
-def _identity(x: np.ndarray) -> np.ndarray:
-    return x
-
-
-def _transpose(x: np.ndarray) -> np.ndarray:
-    return x.T
-
-
-def _conv_to_ours(x: np.ndarray) -> np.ndarray:
-    return x[:, 0, :].T  # [C, 1, K] -> [K, C]
-
-
-def _conv_to_hf(x: np.ndarray) -> np.ndarray:
-    return x.T[:, None, :]  # [K, C] -> [C, 1, K]
-
-
-def _vector(path, hf_name, n, fp32=False) -> _Entry:
-    return _Entry(path, hf_name, (n,), _identity, _identity, fp32)
-
-
-def _linear(path, hf, d_in, d_out, bias) -> list[_Entry]:
-    out = [_Entry((*path, "kernel"), f"{hf}.weight", (d_out, d_in), _transpose, _transpose, False)]
-    if bias:
-        out.append(_vector((*path, "bias"), f"{hf}.bias", d_out))
-    return out
-
-
-def _norm(path, hf, dim) -> _Entry:
-    return _vector((*path, "scale"), f"{hf}.weight", dim, fp32=True)
-
-
-def _plan(cfg: ModelConfig) -> list[_Entry]:
-    E, V = cfg.hidden_size, cfg.vocab_size
-    plan = [
-        _Entry(("embed", "embedding"), "embeddings.weight", (V, E), _identity, _identity, False)
-    ]
-    for i, kind in enumerate(cfg.layer_types):
-        ours, hf = (f"layers_{i}",), f"layers.{i}"
-        plan.append(_norm((*ours, "norm"), f"{hf}.norm", E))
-        m, hm = (*ours, "mixer"), f"{hf}.mixer"
-        if kind == "mamba":
-            H, C = cfg.mamba_num_heads, cfg.conv_dim
-            plan += _linear(
-                (*m, "in_proj"), f"{hm}.in_proj", E, cfg.in_proj_dim, cfg.mamba_proj_bias
-            )
-            conv = (C, 1, cfg.conv_kernel)
-            plan.append(
-                _Entry((*m, "conv1d", "kernel"), f"{hm}.conv1d.weight", conv, _conv_to_ours,
-                       _conv_to_hf, False)
-            )  # fmt: skip
-            if cfg.use_conv_bias:
-                plan.append(_vector((*m, "conv1d", "bias"), f"{hm}.conv1d.bias", C))
-            for p in ("dt_bias", "A_log", "D"):
-                plan.append(_vector((*m, p), f"{hm}.{p}", H, fp32=True))
-            plan.append(_norm((*m, "norm"), f"{hm}.norm", cfg.d_inner))
-            plan += _linear((*m, "out_proj"), f"{hm}.out_proj", cfg.d_inner, E, cfg.mamba_proj_bias)
-        elif kind == "attention":
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            b = cfg.attention_bias
-            plan += _linear((*m, "q_proj"), f"{hm}.q_proj", E, q, b)
-            plan += _linear((*m, "k_proj"), f"{hm}.k_proj", E, kv, b)
-            plan += _linear((*m, "v_proj"), f"{hm}.v_proj", E, kv, b)
-            plan += _linear((*m, "o_proj"), f"{hm}.o_proj", q, E, b)
-        else:
-            F = cfg.intermediate_size
-            plan += _linear((*m, "up_proj"), f"{hm}.up_proj", E, F, cfg.mlp_bias)
-            plan += _linear((*m, "down_proj"), f"{hm}.down_proj", F, E, cfg.mlp_bias)
-    plan.append(_norm(("norm_f",), "norm_f", E))
-    if not cfg.tie_word_embeddings:
-        plan.append(
-            _Entry(("lm_head", "kernel"), "lm_head.weight", (V, E), _transpose, _transpose, False)
-        )
-    return plan
-
-
-def _is_base(entry: _Entry) -> bool:
-    return entry.path[0] != "lm_head"
+def _plan(cfg: ModelConfig) -> list[Entry]:
+    return get_family(cfg.model_type).param_map(cfg)
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -311,14 +211,41 @@ def checkpoint_param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> Para
 # load / save
 
 
-def _find_prefix(names: set[str], path: Path) -> str:
-    for prefix in BASE_PREFIXES:
-        if f"{prefix}embeddings.weight" in names or f"{prefix}embedding.weight" in names:
+def _find_prefix(names: set[str], path: Path, cfg: ModelConfig) -> str:
+    embed = _plan(cfg)[0]
+    spellings = (embed.hf_name, *embed.alt_names)
+    prefixes = get_family(cfg.model_type).base_prefixes
+    for prefix in prefixes:
+        if any(prefix + n in names for n in spellings):
             return prefix
     raise ValueError(
         f"checkpoint {path} has no embedding tensor (looked for "
-        f"{[p + 'embeddings.weight' for p in BASE_PREFIXES]})"
+        f"{[p + spellings[0] for p in prefixes]})"
     )
+
+
+def _read(ckpt, names: set[str], prefix: str, e: Entry, path: Path) -> tuple[np.ndarray, list]:
+    """The HF tensor(s) of entry `e` (stacked when it has several), and the names read."""
+    hf_names = e.hf_name if isinstance(e.hf_name, tuple) else (e.hf_name,)
+    arrays, used = [], []
+    for name in hf_names:
+        full = prefix + name if is_base(e) else name
+        if full not in names:
+            full = next((prefix + a for a in e.alt_names if prefix + a in names), full)
+        if full not in names:
+            raise ValueError(
+                f"checkpoint {path} is missing tensor {full!r} (for {_path_str(e.path)}, "
+                f"expected HF shape {list(e.hf_shape)})"
+            )
+        shape = ckpt.shape(full)
+        if shape != e.hf_shape:
+            raise ValueError(
+                f"checkpoint tensor {full!r} has shape {list(shape)}, expected {list(e.hf_shape)} "
+                f"for {_path_str(e.path)} (our shape {list(e.shape)})"
+            )
+        arrays.append(ckpt.get(full))
+        used.append(full)
+    return (np.stack(arrays) if isinstance(e.hf_name, tuple) else arrays[0]), used
 
 
 def _check_config(path: Path, cfg: ModelConfig) -> None:
@@ -356,36 +283,22 @@ def load_hf_checkpoint(
         _check_config(path, cfg)
     ckpt = _Checkpoint(path)
     names = set(ckpt.where)
-    prefix = _find_prefix(names, path)
+    prefix = _find_prefix(names, path, cfg)
     dtype = jnp.dtype(dtype)
 
     params: Params = {}
     used: set[str] = set()
-    for e in _plan(cfg):
-        full = prefix + e.hf_name if _is_base(e) else e.hf_name
-        if e.path == ("embed", "embedding") and full not in names:
-            full = prefix + "embedding.weight"  # mamba_ssm's spelling
-        if full not in names:
-            raise ValueError(
-                f"checkpoint {path} is missing tensor {full!r} (for {_path_str(e.path)}, "
-                f"expected HF shape {list(e.hf_shape)})"
-            )
-        shape = ckpt.shape(full)
-        if shape != e.hf_shape:
-            raise ValueError(
-                f"checkpoint tensor {full!r} has shape {list(shape)}, expected {list(e.hf_shape)} "
-                f"for {_path_str(e.path)} (our shape {list(e.shape)})"
-            )
-        x = e.to_ours(ckpt.get(full))
-        _set(params, e.path, jnp.asarray(x, dtype=jnp.float32 if e.fp32 else dtype))
-        used.add(full)
+    plan = _plan(cfg)
+    for e in plan:
+        x, read = _read(ckpt, names, prefix, e, path)
+        _set(params, e.path, jnp.asarray(e.to_ours(x), dtype=jnp.float32 if e.fp32 else dtype))
+        used.update(read)
 
     extra = names - used
     if cfg.tie_word_embeddings and "lm_head.weight" in extra:
         # Some exports write the tied head anyway; accept it only if it really is the embedding.
         head = ckpt.get("lm_head.weight")
-        emb = ckpt.get(prefix + "embeddings.weight" if prefix + "embeddings.weight" in names
-                       else prefix + "embedding.weight")  # fmt: skip
+        emb, _ = _read(ckpt, names, prefix, plan[0], path)
         if head.shape != emb.shape or not np.array_equal(head, emb):
             raise ValueError(
                 f"checkpoint {path} has an lm_head.weight different from the embeddings, but "
@@ -429,12 +342,14 @@ def _flatten(tree: Any, prefix: str = ""):
 def save_hf_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike) -> None:
     """Write `params` as an HF checkpoint (config.json + model.safetensors) transformers loads.
 
-    Tensor names use the prefix transformers 5.24 itself writes for both model types
-    (`backbone.`). Dtypes are kept as they are in `params`.
+    Tensor names use the family's first base prefix (what transformers 5.24 itself writes).
+    Dtypes are kept as they are in `params`. Families whose map folds multipliers into the
+    weights, or splits or stacks HF tensors, cannot be written.
     """
     path = Path(path)
+    hf_config = cfg.to_hf_config()
     path.mkdir(parents=True, exist_ok=True)
-    prefix = "backbone."
+    prefix = get_family(cfg.model_type).base_prefixes[0]
     flat = dict(_flatten(params))
     tensors = {}
     for e in _plan(cfg):
@@ -446,10 +361,14 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike
             raise ValueError(
                 f"save_hf_checkpoint: {key} has shape {list(x.shape)}, expected {list(e.shape)}"
             )
-        tensors[(prefix + e.hf_name) if _is_base(e) else e.hf_name] = e.to_hf(x)
+        if e.to_hf is None or not isinstance(e.hf_name, str):
+            raise ValueError(
+                f"save_hf_checkpoint: writing {key} of {cfg.model_type} is not implemented"
+            )
+        tensors[(prefix + e.hf_name) if is_base(e) else e.hf_name] = e.to_hf(x)
     if flat:
         raise ValueError(
             f"save_hf_checkpoint: params have entries not in the model: {sorted(flat)}"
         )
-    (path / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     _write_safetensors(path / SAFETENSORS_SINGLE, tensors)

@@ -1,0 +1,62 @@
+"""The model-family registry: one module per HF `model_type`. Host side (numpy only).
+
+A family is
+  * a config adapter: HF `config.json` -> the frozen `ModelConfig` (its block structure is
+    `ModelConfig.layer_types`: one entry per pre-norm residual sub-block, so an HF decoder
+    layer with a mixer and a feed-forward is two of ours), raising on every field whose value
+    we do not implement, naming it;
+  * a parameter map: our param paths <- HF tensor names and layouts (`common.Entry`),
+    constant multipliers folded into the weights where HF applies them to a projection.
+The engine, the cache, the metadata and the kernels are shared and never ask which family
+runs; the model reads only `ModelConfig` fields. Adding a family is a module here and a line
+in `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxmamba.config import ModelConfig
+    from jaxmamba.model.families.common import Entry
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # the HF `architectures[0]` of its causal LM
+    from_hf: Callable[[dict, str], ModelConfig]  # config.json dict, name -> ModelConfig
+    param_map: Callable[[ModelConfig], list[Entry]]
+    # Prefixes of the base model in checkpoints, tried in order; the first is what we write.
+    base_prefixes: tuple[str, ...] = ("model.", "")
+    # ModelConfig -> config.json dict, for writing checkpoints (None: not implemented).
+    to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
+
+
+def _registry() -> dict[str, Family]:
+    from jaxmamba.model.families import mamba2, nemotron_h
+
+    families = (nemotron_h.FAMILY, mamba2.FAMILY)
+    return {f.model_type: f for f in families}
+
+
+_FAMILIES: dict[str, Family] | None = None
+
+
+def families() -> dict[str, Family]:
+    """Every registered family by `model_type`."""
+    global _FAMILIES
+    if _FAMILIES is None:
+        _FAMILIES = _registry()
+    return _FAMILIES
+
+
+def get_family(model_type: str) -> Family:
+    registry = families()
+    if model_type not in registry:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {tuple(sorted(registry))}"
+        )
+    return registry[model_type]

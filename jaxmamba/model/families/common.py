@@ -1,0 +1,265 @@
+"""What the family modules share: reading HF config.json values, and the parameter-map entries
+(HF tensor name and shape -> our param path, with the transform between layouts). Host side.
+
+Our param tree (E hidden, V vocab, F MLP width, K conv width, X experts):
+
+    {"embed": {"embedding": [V, E]},
+     "layers_{i}": {"norm": {"scale": [E]}, "mixer": MIXER},
+     "norm_f": {"scale": [E]},
+     "lm_head": {"kernel": [E, V]}}          # absent when tie_word_embeddings
+
+One of our layers is one pre-norm residual sub-block (`x + mixer(norm(x))`); an HF decoder
+layer with a mixer and a feed-forward is two of ours. HF Linear weights are [out, in]; our
+kernels are [in, out]. HF conv1d weights are [conv_dim, 1, K]; ours are [K, conv_dim].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jaxmamba.config import ModelConfig
+
+# ----------------------------------------------------------------------------------------
+# HF config.json values
+
+
+def get(config: dict, *names: str, default: Any = None) -> Any:
+    """The first of `names` present in an HF config (transformers renamed several keys)."""
+    for n in names:
+        if n in config and config[n] is not None:
+            return config[n]
+    return default
+
+
+def as_float(value: Any) -> float:
+    # transformers 5 writes non-finite floats as {"__float__": "Infinity"}.
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
+def token_id(config: dict, key: str, default: int | None) -> int | None:
+    """The (first) id of `key`; HF allows a list of eos ids (chat models)."""
+    value = config.get(key, default)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value
+
+
+def require(config: dict, key: str, allowed: tuple, default: Any) -> Any:
+    """`config[key]` (or `default`), raising unless it is one of `allowed`."""
+    value = config.get(key, default)
+    if value not in allowed:
+        raise ValueError(
+            f"HF config {key}={value!r} is unsupported: only {' or '.join(map(repr, allowed))}"
+        )
+    return value
+
+
+def refuse(config: dict, key: str, allowed: tuple = (None,)) -> None:
+    """Raise naming `key` when the config sets it to a value we do not implement."""
+    require(config, key, allowed, None)
+
+
+def rope(config: dict, head_dim: int, *, partial_rotary_factor: float = 1.0) -> tuple[float, int]:
+    """`(rope_theta, rotated dims per head)` from `rope_parameters` (or the legacy top-level
+    keys); only the default RoPE type (no scaling) is implemented."""
+    params = dict(config.get("rope_parameters") or {})
+    if config.get("rope_scaling") not in (None, {}):
+        params.setdefault("rope_type", (config["rope_scaling"] or {}).get("rope_type"))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"HF config rope_parameters.rope_type={rope_type!r} is unsupported: only 'default'"
+        )
+    theta = as_float(get(params, "rope_theta", default=get(config, "rope_theta", default=1e4)))
+    factor = as_float(params.get("partial_rotary_factor", partial_rotary_factor))
+    return theta, int(head_dim * factor)
+
+
+# ----------------------------------------------------------------------------------------
+# parameter map
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One array of our param tree and the HF tensor(s) it comes from.
+
+    `hf_name` is one name, or a tuple of names whose tensors (each of `hf_shape`) are stacked
+    along a new leading axis first (per-expert weights). Names are without the base prefix
+    (`lm_head.weight` is outside the base). `alt_names` are other spellings of a single name.
+    """
+
+    path: tuple[str, ...]  # our path in the param tree
+    hf_name: str | tuple[str, ...]
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray] | None
+    fp32: bool  # kept in float32 regardless of the requested dtype
+    alt_names: tuple[str, ...] = field(default=())
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        if isinstance(self.hf_name, tuple):
+            return (len(self.hf_name), *self.hf_shape)
+        return self.hf_shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        # A zero-stride view: the transforms run on it without allocating anything.
+        return tuple(self.to_ours(np.broadcast_to(np.int8(0), self.stacked_shape)).shape)
+
+
+def identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def transpose(x: np.ndarray) -> np.ndarray:
+    return x.T
+
+
+def swap_last(x: np.ndarray) -> np.ndarray:
+    return np.swapaxes(x, -1, -2)
+
+
+def scaled(fn: Callable[[np.ndarray], np.ndarray], factor) -> Callable[[np.ndarray], np.ndarray]:
+    """`fn` then a multiplication by `factor` (a float, or a vector over the last axis), in
+    float32: how a constant multiplier of HF's forward folds into a weight."""
+    if isinstance(factor, int | float) and factor == 1:
+        return fn
+    return lambda x: fn(x).astype(np.float32) * np.asarray(factor, np.float32)
+
+
+def _conv_to_ours(x: np.ndarray) -> np.ndarray:
+    return x[:, 0, :].T  # [C, 1, K] -> [K, C]
+
+
+def _conv_to_hf(x: np.ndarray) -> np.ndarray:
+    return x.T[:, None, :]  # [K, C] -> [C, 1, K]
+
+
+def vector(path, hf_name, n, fp32=False, to_ours=identity) -> Entry:
+    return Entry(path, hf_name, (n,), to_ours, identity if to_ours is identity else None, fp32)
+
+
+def linear(path, hf, d_in, d_out, bias, *, scale=1.0, bias_scale=None) -> list[Entry]:
+    """An HF `nn.Linear` -> our `Linear`; `scale` (a float or a per-output vector) folds a
+    constant multiplier of its input or output into the weight (and, as `bias_scale`, its
+    bias: defaults to `scale`)."""
+    to_hf = transpose if isinstance(scale, int | float) and scale == 1 else None
+    out = [
+        Entry((*path, "kernel"), f"{hf}.weight", (d_out, d_in), scaled(transpose, scale), to_hf,
+              False)
+    ]  # fmt: skip
+    if bias:
+        bias_scale = scale if bias_scale is None else bias_scale
+        out.append(
+            vector((*path, "bias"), f"{hf}.bias", d_out, to_ours=scaled(identity, bias_scale))
+        )
+    return out
+
+
+def norm(path, hf, dim) -> Entry:
+    return vector((*path, "scale"), f"{hf}.weight", dim, fp32=True)
+
+
+def embedding(hf_name: str, cfg: ModelConfig, alt_names: tuple[str, ...] = ()) -> Entry:
+    V, E = cfg.vocab_size, cfg.hidden_size
+    return Entry(("embed", "embedding"), hf_name, (V, E), identity, identity, False, alt_names)
+
+
+def lm_head(cfg: ModelConfig, *, scale=1.0) -> list[Entry]:
+    if cfg.tie_word_embeddings:
+        return []
+    V, E = cfg.vocab_size, cfg.hidden_size
+    to_hf = transpose if scale == 1 else None
+    return [
+        Entry(("lm_head", "kernel"), "lm_head.weight", (V, E), scaled(transpose, scale), to_hf,
+              False)
+    ]  # fmt: skip
+
+
+def mamba_mixer(
+    m: tuple[str, ...], hm: str, cfg: ModelConfig, *, in_scale=1.0, out_scale=1.0
+) -> list[Entry]:
+    """The Mamba2 mixer's tensors (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, gated `norm`,
+    `out_proj`) under HF module `hm`; the scales fold constant multipliers into the two
+    projections."""
+    E, H, C = cfg.hidden_size, cfg.mamba_num_heads, cfg.conv_dim
+    bias = cfg.mamba_proj_bias
+    out = linear((*m, "in_proj"), f"{hm}.in_proj", E, cfg.in_proj_dim, bias, scale=in_scale)
+    conv = (C, 1, cfg.conv_kernel)
+    out.append(
+        Entry((*m, "conv1d", "kernel"), f"{hm}.conv1d.weight", conv, _conv_to_ours, _conv_to_hf,
+              False)
+    )  # fmt: skip
+    if cfg.use_conv_bias:
+        out.append(vector((*m, "conv1d", "bias"), f"{hm}.conv1d.bias", C))
+    for p in ("dt_bias", "A_log", "D"):
+        out.append(vector((*m, p), f"{hm}.{p}", H, fp32=True))
+    if cfg.mamba_rms_norm:
+        out.append(norm((*m, "norm"), f"{hm}.norm", cfg.d_inner))
+    out += linear((*m, "out_proj"), f"{hm}.out_proj", cfg.d_inner, E, bias, scale=out_scale)
+    return out
+
+
+def attention(
+    m: tuple[str, ...], hm: str, cfg: ModelConfig, *, in_scale=1.0, k_scale=1.0, out_scale=1.0
+) -> list[Entry]:
+    """q/k/v/o projections under HF module `hm`. `in_scale` multiplies the attention input,
+    `k_scale` the keys, `out_scale` the output: folded into the weights (biases get the scale
+    of what follows them only)."""
+    E = cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    b = cfg.attention_bias
+    out = linear((*m, "q_proj"), f"{hm}.q_proj", E, q, b, scale=in_scale, bias_scale=1.0)
+    out += linear(
+        (*m, "k_proj"), f"{hm}.k_proj", E, kv, b, scale=in_scale * k_scale, bias_scale=k_scale
+    )
+    out += linear((*m, "v_proj"), f"{hm}.v_proj", E, kv, b, scale=in_scale, bias_scale=1.0)
+    out += linear((*m, "o_proj"), f"{hm}.o_proj", q, E, b, scale=out_scale)
+    return out
+
+
+def relu2_mlp(m: tuple[str, ...], hm: str, E: int, F: int, bias: bool) -> list[Entry]:
+    return linear((*m, "up_proj"), f"{hm}.up_proj", E, F, bias) + linear(
+        (*m, "down_proj"), f"{hm}.down_proj", F, E, bias
+    )
+
+
+def glu_mlp(
+    m: tuple[str, ...], hm: str, E: int, F: int, bias: bool, *, gate_scale=1.0, down_scale=1.0
+) -> list[Entry]:
+    """`down(silu(gate(x)) * up(x))` from separate `gate_proj`/`up_proj`/`down_proj`."""
+    out = linear((*m, "gate_proj"), f"{hm}.gate_proj", E, F, bias, scale=gate_scale)
+    out += linear((*m, "up_proj"), f"{hm}.up_proj", E, F, bias)
+    out += linear((*m, "down_proj"), f"{hm}.down_proj", F, E, bias, scale=down_scale)
+    return out
+
+
+def fused_glu_mlp(
+    m: tuple[str, ...], hm: str, E: int, F: int, *, up: str, down: str, down_scale=1.0
+) -> list[Entry]:
+    """A gated MLP whose gate and up projections are one HF tensor `[2F, E]`, gate first."""
+    gate_up = f"{hm}.{up}.weight"
+    return [
+        Entry((*m, "gate_proj", "kernel"), gate_up, (2 * F, E), lambda x: x[:F].T, None, False),
+        Entry((*m, "up_proj", "kernel"), gate_up, (2 * F, E), lambda x: x[F:].T, None, False),
+        *linear((*m, "down_proj"), f"{hm}.{down}", F, E, False, scale=down_scale),
+    ]
+
+
+def is_base(entry: Entry) -> bool:
+    return entry.path[0] != "lm_head"
+
+
+def check_finite_multiplier(name: str, value: Any) -> float:
+    value = as_float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"HF config {name}={value!r} is invalid: expected a finite float")
+    return value

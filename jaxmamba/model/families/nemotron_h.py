@@ -1,0 +1,183 @@
+"""NVIDIA Nemotron-H (`nemotron_h`): Mamba2, attention (GQA, no RoPE), relu² MLP and MoE layers,
+one mixer per residual block (`x + mixer(norm(x))`). HF: `NemotronHForCausalLM`."""
+
+from __future__ import annotations
+
+import math
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.model.families import Family, common
+
+# Every spelling of a layer type in HF configs: transformers 5 names, legacy names and the
+# single-character `hybrid_override_pattern` codes.
+_LAYER_TYPE_ALIASES = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "M": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+    "*": "attention",
+    "mlp": "mlp",
+    "-": "mlp",
+}
+_MOE_LAYER_TYPES = ("moe", "E")
+_HF_LAYER_NAMES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
+
+
+def _layer_types(config: dict) -> tuple[str, ...]:
+    field = next(
+        (k for k in ("layers_block_type", "layer_types") if config.get(k) is not None), None
+    )
+    if field is not None:
+        raw = list(config[field])
+    elif config.get("hybrid_override_pattern") is not None:
+        field, raw = "hybrid_override_pattern", list(config["hybrid_override_pattern"])
+    else:
+        raise ValueError(
+            "HF nemotron_h config has no layers_block_type, layer_types or hybrid_override_pattern"
+        )
+    out = []
+    for i, t in enumerate(raw):
+        if t in _MOE_LAYER_TYPES:
+            raise ValueError(
+                f"HF config {field}[{i}]={t!r}: MoE layers are not supported (dense models only)"
+            )
+        if t not in _LAYER_TYPE_ALIASES:
+            raise ValueError(f"HF config {field}[{i}]={t!r} is not a known layer type")
+        out.append(_LAYER_TYPE_ALIASES[t])
+    return tuple(out)
+
+
+def from_hf(c: dict, name: str) -> ModelConfig:
+    get, token_id = common.get, common.token_id
+    layer_types = _layer_types(c)
+    common.require(c, "mamba_hidden_act", ("silu",), "silu")
+    mlp_act = c.get("mlp_hidden_act", "relu2")
+    if mlp_act != "relu2":
+        raise ValueError(f"HF config mlp_hidden_act={mlp_act!r} is unsupported: only 'relu2'")
+    # transformers' NemotronHAttention never applies RoPE (rope_theta etc. are inert there), so
+    # those keys are ignored; an explicit position embedding or a sliding window would change
+    # the numbers and is refused.
+    pos = c.get("position_embedding_type")
+    if pos not in (None, "none"):
+        raise ValueError(f"HF config position_embedding_type={pos!r} is unsupported (no RoPE)")
+    if c.get("sliding_window") is not None:
+        raise ValueError(f"HF config sliding_window={c['sliding_window']!r} is unsupported")
+    # num_nextn_predict_layers > 0 adds multi-token-prediction heads (`mtp.*` tensors); we serve
+    # the main model only, so they are ignored here and skipped by the loader.
+    num_heads = c.get("num_attention_heads", 32)
+    hidden = c.get("hidden_size", 4096)
+    return ModelConfig(
+        model_type="nemotron_h",
+        vocab_size=c.get("vocab_size", 131072),
+        hidden_size=hidden,
+        layer_types=layer_types,
+        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        mamba_num_heads=c.get("mamba_num_heads", 128),
+        mamba_head_dim=c.get("mamba_head_dim", 64),
+        n_groups=get(c, "n_groups", "mamba_n_groups", default=8),
+        ssm_state_size=c.get("ssm_state_size", 128),
+        conv_kernel=get(c, "conv_kernel", "mamba_d_conv", default=4),
+        chunk_size=get(c, "chunk_size", "mamba_chunk_size", default=128),
+        use_conv_bias=bool(get(c, "use_conv_bias", "mamba_conv_bias", default=True)),
+        # The modeling code biases in_proj/out_proj by `use_bias` (not `mamba_proj_bias`).
+        mamba_proj_bias=bool(c.get("use_bias", False)),
+        # HF NemotronH clamps dt to (time_step_min, inf) and ignores config.time_step_limit.
+        time_step_limit=(
+            common.as_float(get(c, "time_step_min", "mamba_dt_min", default=0.001)),
+            math.inf,
+        ),
+        residual_in_fp32=bool(c.get("residual_in_fp32", False)),
+        num_attention_heads=num_heads,
+        num_key_value_heads=get(c, "num_key_value_heads", default=num_heads),
+        head_dim=get(c, "head_dim", default=hidden // num_heads),
+        attention_bias=bool(c.get("attention_bias", False)),
+        intermediate_size=c.get("intermediate_size", 21504),
+        mlp_bias=bool(c.get("mlp_bias", False)),
+        mlp_activation=mlp_act,
+        bos_token_id=token_id(c, "bos_token_id", 1),
+        eos_token_id=token_id(c, "eos_token_id", 2),
+        pad_token_id=token_id(c, "pad_token_id", 0),
+        name=name,
+    )
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    lo, hi = cfg.time_step_limit
+    if hi != math.inf:
+        # HF NemotronH hard-codes the upper clamp to inf; it cannot express another.
+        raise ValueError(
+            f"ModelConfig.time_step_limit={cfg.time_step_limit!r} is invalid: expected "
+            "(min, inf) for nemotron_h"
+        )
+    if set(cfg.layer_types) - set(_HF_LAYER_NAMES):
+        raise ValueError(f"writing nemotron_h layer types {cfg.layer_types} is not implemented")
+    return {
+        "model_type": "nemotron_h",
+        "architectures": ["NemotronHForCausalLM"],
+        **mamba_common_hf(cfg),
+        "layers_block_type": [_HF_LAYER_NAMES[t] for t in cfg.layer_types],
+        "mamba_num_heads": cfg.mamba_num_heads,
+        "mamba_head_dim": cfg.mamba_head_dim,
+        "ssm_state_size": cfg.ssm_state_size,
+        "mamba_hidden_act": "silu",
+        "time_step_min": lo,
+        "num_attention_heads": cfg.num_attention_heads or 1,
+        "num_key_value_heads": cfg.num_key_value_heads or 1,
+        "head_dim": cfg.head_dim or 1,
+        "attention_bias": cfg.attention_bias,
+        "intermediate_size": cfg.intermediate_size or 1,
+        "mlp_bias": cfg.mlp_bias,
+        "mlp_hidden_act": cfg.mlp_activation,
+    }
+
+
+def mamba_common_hf(cfg: ModelConfig) -> dict:
+    """The config.json keys nemotron_h and mamba2 spell alike."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "n_groups": cfg.n_groups,
+        "conv_kernel": cfg.conv_kernel,
+        "chunk_size": cfg.chunk_size,
+        "use_conv_bias": cfg.use_conv_bias,
+        "use_bias": cfg.mamba_proj_bias,
+        "residual_in_fp32": cfg.residual_in_fp32,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": (
+            list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_id
+        ),
+        "pad_token_id": cfg.pad_token_id,
+    }
+
+
+def param_map(cfg: ModelConfig) -> list[common.Entry]:
+    E = cfg.hidden_size
+    plan = [common.embedding("embeddings.weight", cfg)]
+    for i, kind in enumerate(cfg.layer_types):
+        ours, hf = (f"layers_{i}",), f"layers.{i}"
+        plan.append(common.norm((*ours, "norm"), f"{hf}.norm", E))
+        m, hm = (*ours, "mixer"), f"{hf}.mixer"
+        if kind == "mamba":
+            plan += common.mamba_mixer(m, hm, cfg)
+        elif kind == "attention":
+            plan += common.attention(m, hm, cfg)
+        else:
+            plan += common.relu2_mlp(m, hm, E, cfg.intermediate_size, cfg.mlp_bias)
+    plan.append(common.norm(("norm_f",), "norm_f", E))
+    return plan + common.lm_head(cfg)
+
+
+FAMILY = Family(
+    model_type="nemotron_h",
+    architecture="NemotronHForCausalLM",
+    from_hf=from_hf,
+    param_map=param_map,
+    # `backbone.` (NVIDIA's exports and transformers' save_pretrained), `model.` (transformers
+    # 5 in memory), or none (a bare base model).
+    base_prefixes=("backbone.", "model.", ""),
+    to_hf=to_hf,
+)
