@@ -22,10 +22,8 @@ from jaxmamba.config import ModelConfig, checkpoint_dir
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.engine import LLMEngine
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.inputs import parse_prompts
 from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.params import init_params, param_shapes
 from jaxmamba.sampling_params import SamplingParams
 from jaxmamba.tokenizer import Tokenizer, load_tokenizer
 
@@ -75,6 +73,8 @@ def resolve_dtype(dtype: str, model: str) -> str:
 def load_params(model: str, cfg: ModelConfig, dtype, seed: int):
     """An HF checkpoint (a directory or a checkpoint preset) → its weights; a YAML preset or
     file → random weights from `seed`."""
+    from jaxmamba.model.params import init_params, param_shapes
+
     path = checkpoint_dir(model)
     if path is not None:
         from jaxmamba.model.loader import load_hf_checkpoint
@@ -102,7 +102,29 @@ class LLM:
         seed: int = 0,
         impl: str = "auto",
         params=None,
+        compilation_cache: bool = True,
+        compilation_cache_dir: str | None = None,
     ):
+        from jaxmamba.export.compile_cache import setup_compilation_cache
+
+        setup_compilation_cache(compilation_cache_dir, enabled=compilation_cache)
+        from jaxmamba.export.artifact import is_artifact
+
+        if is_artifact(model):  # a `jaxmamba export` directory: runs without the model code
+            from jaxmamba.export.serving import init_llm_from_artifact
+
+            engine = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_prefill_seqs=max_prefill_seqs, page_size=page_size,
+                          enable_prefix_caching=enable_prefix_caching,
+                          track_interval=track_interval, num_state_slots=num_state_slots,
+                          num_pages=num_pages)  # fmt: skip
+            init_llm_from_artifact(
+                self, model, seed=seed, params=params, precompile=precompile, engine=engine
+            )
+            return
+        from jaxmamba.engine.runner import ModelRunner
+
         dtype = resolve_dtype(dtype, model)
         model_cfg = ModelConfig.load(model)
         self.dtype = DTYPES[dtype]

@@ -10,7 +10,7 @@ compiles once.
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,6 @@ import numpy as np
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import CacheSpec, StateCache, init_cache
 from jaxmamba.model.metadata import ForwardMetadata, StepInputs
-from jaxmamba.model.model import Mamba2HybridLM
 from jaxmamba.model.sampling import (
     MAX_LOGPROBS,
     Penalties,
@@ -29,6 +28,10 @@ from jaxmamba.model.sampling import (
     record_tokens,
     sample,
 )
+
+if TYPE_CHECKING:  # the model is imported where a runner is built: serving an exported
+    # artifact (jaxmamba.export) runs the engine without importing the model code
+    from jaxmamba.model.model import Mamba2HybridLM
 
 
 class SlotState(NamedTuple):
@@ -95,9 +98,7 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     meta = build_metadata(model, spec, inputs, num_decode)
     input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
     hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
-    logits = model.apply(
-        {"params": params}, hidden[meta.last_token_index], method=Mamba2HybridLM.logits
-    )
+    logits = model.apply({"params": params}, hidden[meta.last_token_index], method="logits")
     slots = inputs.state_slots
     seen = record_tokens(
         slot_state.penalties, input_ids, meta.token_rows, meta.token_valid, slots,
@@ -120,7 +121,7 @@ def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num
     TRACE_COUNTS[(model, spec)] += 1
     meta = build_metadata(model, spec, inputs, num_decode)
     return model.apply(
-        {"params": params}, inputs.input_ids, cache, meta, method=Mamba2HybridLM.forward_logits
+        {"params": params}, inputs.input_ids, cache, meta, method="forward_logits"
     )
 
 
@@ -147,6 +148,8 @@ class ModelRunner:
         impl: str = "auto",
         small_m_impl: str | None = None,
     ):
+        from jaxmamba.model.model import Mamba2HybridLM
+
         self.cfg = cfg
         self.params = params
         self.cache_spec = cache_spec

@@ -1,0 +1,148 @@
+"""The artifact directory `jaxmamba export` writes, and its manifest.
+
+    DIR/manifest.json            format, versions, platforms, model/engine/cache settings,
+                                 every bucket's input/output shapes, dtypes and shardings,
+                                 and the sha256 of every file below
+    DIR/steps/<platform>/<T>x<B>x<D>.jaxexport   the serialized `jax.export` step of a bucket
+    DIR/weights/                 the params as an Orbax checkpoint (absent with --no-weights)
+    DIR/tokenizer/               the model's tokenizer files, if it has any
+
+A step takes four flat lists of arrays `(params, cache, slot_state, inputs)` (the leaves, in
+`jax.tree` order, of the live runner's arguments; the last is `StepInputs`, whose field names
+the manifest keeps) and returns `(packed sample output, cache, slot_state)`; cache and slot
+state are donated. Reading checks every field a step depends on and rejects a mismatch with
+`ArtifactError` naming the field, what it holds and what was expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT = "jaxmamba-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+# jax.export platform names -> the model's kernel choice when tracing for that platform.
+PLATFORM_IMPLS = {"cpu": "ref", "cuda": "auto_gpu", "tpu": "auto_tpu"}
+# Triton custom calls carry no serialization-compatibility guarantee; export them anyway.
+UNSTABLE_CUSTOM_CALLS = ("__gpu$xla.gpu.triton",)
+
+
+class ArtifactError(ValueError):
+    """A manifest or artifact file that does not match what this process needs."""
+
+
+def is_artifact(path: str | os.PathLike) -> bool:
+    try:
+        return (Path(path) / MANIFEST).is_file()
+    except (OSError, TypeError):
+        return False
+
+
+def bucket_name(num_tokens: int, num_rows: int, num_decode: int) -> str:
+    return f"{num_tokens}x{num_rows}x{num_decode}"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def runtime_platform() -> str:
+    """This process's default backend as a `jax.export` platform name."""
+    import jax
+
+    backend = jax.default_backend()
+    return {"gpu": "cuda"}.get(backend, backend)
+
+
+def _mismatch(field: str, held: Any, expected: Any, where: str, hint: str = "") -> ArtifactError:
+    return ArtifactError(
+        f"{where}: manifest field {field!r} holds {held!r}, expected {expected!r}{hint}"
+    )
+
+
+@dataclass
+class Artifact:
+    """A read and checked manifest; `path` is the artifact directory."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def where(self) -> str:
+        return str(self.path / MANIFEST)
+
+    def file(self, rel: str, digest: str) -> Path:
+        """`DIR/rel`, after checking it exists and its sha256 is the manifest's."""
+        path = self.path / rel
+        if not path.is_file():
+            raise ArtifactError(f"{self.path}: {rel} is missing (the manifest lists it)")
+        found = sha256(path)
+        if found != digest:
+            raise ArtifactError(
+                f"{path}: corrupted: sha256 {found}, expected {digest} (from the manifest)"
+            )
+        return path
+
+    def buckets(self) -> list[dict]:
+        return self.manifest["buckets"]
+
+
+REQUIRED = ("format", "format_version", "jax_version", "platforms", "model", "dtype", "engine",
+            "cache", "input_fields", "state", "buckets", "weights")  # fmt: skip
+
+
+def read_artifact(path: str | os.PathLike, *, platform: str | None = None) -> Artifact:
+    """Read `DIR/manifest.json` and check it against this process: format and its version,
+    jax version, and that `platform` (default: this process's backend) is among the exported
+    platforms and `StepInputs` has the fields the steps were traced with."""
+    import jax
+
+    from jaxmamba.model.metadata import StepInputs
+
+    path = Path(path)
+    where = str(path / MANIFEST)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no {MANIFEST}: not a jaxmamba export directory") from None
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{where}: corrupted, not JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{where}: corrupted: holds a {type(manifest).__name__}, not a dict")
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise ArtifactError(f"{where}: corrupted: missing fields {missing}")
+    if manifest["format"] != FORMAT:
+        raise _mismatch("format", manifest["format"], FORMAT, where)
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise _mismatch(
+            "format_version", manifest["format_version"], FORMAT_VERSION, where,
+            ": re-export the model with this jaxmamba",
+        )  # fmt: skip
+    if manifest["jax_version"] != jax.__version__:
+        raise _mismatch(
+            "jax_version", manifest["jax_version"], jax.__version__, where,
+            " (this process's jax): re-export, or install the jax it was exported with",
+        )  # fmt: skip
+    platform = platform or runtime_platform()
+    if platform not in manifest["platforms"]:
+        raise _mismatch(
+            "platforms", manifest["platforms"], f"a list with {platform!r}", where,
+            f" (this process runs on {platform}): export with --platforms {platform}",
+        )  # fmt: skip
+    fields = list(StepInputs._fields)
+    if manifest["input_fields"] != fields:
+        raise _mismatch(
+            "input_fields", manifest["input_fields"], fields, where,
+            " (this jaxmamba's StepInputs): re-export the model with this jaxmamba",
+        )  # fmt: skip
+    return Artifact(path, manifest)

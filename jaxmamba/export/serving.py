@@ -1,0 +1,282 @@
+"""Serve an artifact: `ArtifactRunner` runs the deserialized steps with `ModelRunner`'s
+interface, and `LLM(DIR)` builds its engine on one. Nothing here imports or traces the model
+code (`jaxmamba.model.model` and its layers): the host side is the scheduler, prefix cache
+and sampling parameters, and the device side is the exported StableHLO.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.engine.config import EngineConfig
+from jaxmamba.export.artifact import Artifact, ArtifactError, read_artifact
+from jaxmamba.model.cache import CacheSpec
+
+
+def _zeros(avals: list[dict]) -> list[jax.Array]:
+    return [jnp.zeros(tuple(a["shape"]), a["dtype"]) for a in avals]
+
+
+def _aval(x) -> dict:
+    return {"shape": [int(d) for d in x.shape], "dtype": np.dtype(x.dtype).name}
+
+
+def _bucket_key(entry: dict) -> tuple[int, int, int]:
+    return entry["num_tokens"], entry["num_rows"], entry["num_decode"]
+
+
+class ArtifactRunner:
+    """`ModelRunner`'s interface (`cfg`, `cache_spec`, `dtype`, `step`, `precompile`,
+    `num_compiles`) on an artifact's exported steps. `params`: the flat weight leaves in the
+    exported order (from the artifact's Orbax checkpoint, or given)."""
+
+    def __init__(self, artifact: Artifact, params=None, *, platform: str | None = None,
+                 weights: str | os.PathLike | None = None):  # fmt: skip
+        m = artifact.manifest
+        self.artifact = artifact
+        self.platform = platform or _runtime_platform()
+        self.cfg = ModelConfig.from_dict(m["model"], source=f"{artifact.where} model")
+        self.cache_spec = CacheSpec(**m["cache"])
+        self.dtype = jnp.dtype(m["dtype"])
+        self.params = self._load_params(params, weights)
+        self._check_state()
+        self.cache = _zeros(m["state"]["cache"])
+        self.slot_state = _zeros(m["state"]["slot_state"])
+        self._entries = {_bucket_key(e): e for e in artifact.buckets()}
+        self._steps: dict[tuple[int, int, int], Callable] = {}
+        self._lock = threading.Lock()
+
+    def _check_state(self) -> None:
+        """The cache and sampler state the manifest lists are what its `model` and `cache`
+        fields imply, and what every bucket's step takes."""
+        from jaxmamba.model.cache import cache_shapes
+
+        m, where = self.artifact.manifest, self.artifact.where
+        implied = {
+            "cache": [
+                _aval(a)
+                for a in jax.tree.leaves(cache_shapes(self.cfg, self.cache_spec, self.dtype))
+            ],  # fmt: skip
+            "slot_state": [_aval(jax.ShapeDtypeStruct((self.cache_spec.num_slots + 1,), "int32"))]
+            + [
+                {"shape": [self.cache_spec.num_slots + 1, self.cfg.vocab_size], "dtype": d}
+                for d in ("bool", "int32")
+            ],  # fmt: skip
+        }
+        for name, avals in implied.items():
+            if m["state"][name] != avals:
+                raise ArtifactError(
+                    f"{where}: field 'state.{name}' holds {m['state'][name]}, expected "
+                    f"{avals} (implied by its fields 'model' and 'cache')"
+                )
+        p, c = m["state"]["params"], len(implied["cache"])
+        for entry in self.artifact.buckets():
+            held = entry["inputs"][p : p + c]
+            if held != implied["cache"]:
+                raise ArtifactError(
+                    f"{where}: bucket {_bucket_key(entry)} field 'inputs' (cache) holds {held}, "
+                    f"expected {implied['cache']}"
+                )
+
+    # -- weights ------------------------------------------------------------------------------
+    def _expected(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        w = self.artifact.manifest["weights"]
+        if w is None:
+            return {}
+        return {k: (tuple(v["shape"]), v["dtype"]) for k, v in w["tensors"].items()}
+
+    def _load_params(self, params, weights):
+        from jaxmamba.model.orbax_io import check_specs, flat_specs, restore_params
+
+        m = self.artifact.manifest
+        inputs = self.artifact.buckets()[0]["inputs"]
+        expected_leaves = inputs[: m["state"]["params"]]
+        if params is None:
+            if weights is None:
+                if m["weights"] is None:
+                    raise ArtifactError(
+                        f"{self.artifact.where}: exported with --no-weights: pass params= "
+                        "or weights= (an Orbax checkpoint)"
+                    )
+                weights = self.artifact.path / m["weights"]["path"]
+            expected = self._expected() or None
+            params = restore_params(weights, expected)
+        elif self._expected():
+            check_specs(flat_specs(params), self._expected(), "params")
+        leaves = jax.tree.leaves(params)
+        found = [{"shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).name} for x in leaves]
+        if found != expected_leaves:
+            raise ArtifactError(
+                f"{self.artifact.where}: the weights' leaves {found} do not match the exported "
+                f"step's parameters {expected_leaves}"
+            )
+        return [jnp.asarray(x) for x in leaves]
+
+    # -- steps --------------------------------------------------------------------------------
+    @property
+    def num_compiles(self) -> int:
+        """Compiled executables of this runner's exported steps (one per bucket it ran or
+        precompiled; none is traced from the model code)."""
+        return sum(fn._cache_size() for fn in self._steps.values())
+
+    def buckets(self) -> list[tuple[int, int, int]]:
+        return list(self._entries)
+
+    def _step(self, key: tuple[int, int, int]) -> Callable:
+        fn = self._steps.get(key)
+        if fn is not None:
+            return fn
+        entry = self._entries.get(key)
+        if entry is None:
+            raise ArtifactError(
+                f"{self.artifact.where}: no exported step for bucket (num_tokens, num_rows, "
+                f"num_decode)={key}; the artifact holds {sorted(self._entries)}"
+            )
+        files = entry["files"]
+        if self.platform not in files:
+            raise ArtifactError(
+                f"{self.artifact.where}: bucket {key} field 'files' holds platforms "
+                f"{sorted(files)}, expected one for {self.platform!r}"
+            )
+        path = self.artifact.file(files[self.platform]["path"], files[self.platform]["sha256"])
+        try:
+            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+        except Exception as e:
+            raise ArtifactError(f"{path}: corrupted: jax.export cannot read it ({e})") from e
+        _check_exported(exported, entry, key, self.platform, self.artifact.where)
+        fn = jax.jit(exported.call, donate_argnums=(1, 2))
+        with self._lock:
+            self._steps.setdefault(key, fn)
+        return self._steps[key]
+
+    def load_steps(self) -> None:
+        """Read, check (sha256, platform, shapes) and deserialize every bucket's step now."""
+        for key in self._entries:
+            self._step(key)
+
+    def step(self, inputs, num_decode: int) -> jax.Array:
+        """Dispatch one step; returns the packed device output without waiting for it."""
+        key = (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
+               int(num_decode))  # fmt: skip
+        packed, self.cache, self.slot_state = self._step(key)(
+            self.params, self.cache, self.slot_state, jax.device_put(jax.tree.leaves(inputs))
+        )
+        return packed
+
+    def _compile(self, key, inputs) -> None:
+        fn = self._step(key)
+        fn.lower(self.params, self.cache, self.slot_state, jax.tree.leaves(inputs)).compile()
+
+    def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None):
+        """Compile the step of every bucket (in a thread pool: XLA compiles release the GIL),
+        then run each once on padding only."""
+        keys = [(b.num_tokens, b.num_rows, b.num_decode) for b in buckets]
+        inputs = [build_inputs(b) for b in buckets]
+        workers = workers or max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            for i, _ in enumerate(pool.map(self._compile, keys, inputs)):
+                if progress is not None:
+                    progress(i + 1, len(buckets), buckets[i])
+        for bucket, x in zip(buckets, inputs, strict=True):
+            jax.block_until_ready(self.step(x, bucket.num_decode))
+
+    def forward_logits(self, inputs, num_decode: int):
+        raise NotImplementedError("an exported artifact holds the sampling step only")
+
+
+def _runtime_platform() -> str:
+    from jaxmamba.export.artifact import runtime_platform
+
+    return runtime_platform()
+
+
+def _check_exported(exported, entry: dict, key, platform: str, where: str) -> None:
+    """The deserialized step's platforms and avals are what the manifest lists."""
+    if tuple(exported.platforms) != (platform,):
+        raise ArtifactError(
+            f"{where}: bucket {key} step holds platforms {list(exported.platforms)}, "
+            f"expected [{platform!r}]"
+        )
+    for field, avals in (("inputs", exported.in_avals), ("outputs", exported.out_avals)):
+        found = [{"shape": [int(d) for d in a.shape], "dtype": np.dtype(a.dtype).name}
+                 for a in avals]  # fmt: skip
+        if found != entry[field]:
+            bad = next(
+                (i for i, (f, e) in enumerate(zip(found, entry[field], strict=False)) if f != e),
+                min(len(found), len(entry[field])),
+            )
+            raise ArtifactError(
+                f"{where}: bucket {key} field {field!r}[{bad}] holds "
+                f"{entry[field][bad] if bad < len(entry[field]) else 'nothing'}, the exported "
+                f"step has {found[bad] if bad < len(found) else 'nothing'}"
+            )
+
+
+# EngineConfig fields an artifact fixes (its bucket shapes and cache depend on them).
+_ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_prefill_seqs",
+                  "page_size", "enable_prefix_caching", "track_interval", "num_state_slots",
+                  "num_pages")  # fmt: skip
+
+
+def engine_config(artifact: Artifact, requested: dict | None = None) -> EngineConfig:
+    """The artifact's engine settings; a `requested` value that differs from both `LLM`'s
+    default and the artifact's is an error naming the field."""
+    m = artifact.manifest
+    cfg = EngineConfig(**m["engine"])
+    if requested:
+        from jaxmamba.llm import LLM
+
+        defaults = inspect.signature(LLM.__init__).parameters
+        for name, value in requested.items():
+            held = m["engine"].get(name)
+            default = defaults[name].default if name in defaults else None
+            if value != held and value != default:
+                raise ArtifactError(
+                    f"{artifact.where}: engine field {name!r} holds {held!r}, expected "
+                    f"{value!r} (asked for): re-export with that setting"
+                )
+    return cfg
+
+
+def init_llm_from_artifact(llm, path, *, seed: int = 0, params=None, precompile: bool = False,
+                           engine: dict | None = None, weights=None) -> None:  # fmt: skip
+    """Set up `llm` (an `LLM` being constructed) to serve the artifact at `path`."""
+    import itertools
+
+    from jaxmamba.engine.engine import LLMEngine
+    from jaxmamba.engine.scheduler import Scheduler
+    from jaxmamba.tokenizer import load_tokenizer
+
+    artifact = read_artifact(path)
+    runner = ArtifactRunner(artifact, params, weights=weights)
+    runner.load_steps()
+    engine_cfg = engine_config(artifact, engine)
+    exported = sorted(runner.buckets())
+    needed = sorted((b.num_tokens, b.num_rows, b.num_decode)
+                    for b in Scheduler(runner.cfg, engine_cfg).all_buckets())  # fmt: skip
+    if len(exported) == artifact.manifest["all_buckets"] and exported != needed:
+        raise ArtifactError(
+            f"{artifact.where}: field 'buckets' holds {exported}, expected the scheduler's "
+            f"{needed} for these engine settings"
+        )
+    tok = artifact.manifest.get("tokenizer")
+    llm.dtype = runner.dtype
+    llm.tokenizer = load_tokenizer(Path(path) / tok, runner.cfg) if tok else None
+    llm.model_cfg = runner.cfg
+    llm.engine_cfg = engine_cfg
+    llm.runner = runner
+    llm.artifact = artifact
+    llm.engine = LLMEngine(runner.cfg, runner, engine_cfg, tokenizer=llm.tokenizer, seed=seed)
+    if precompile:
+        llm.engine.precompile()
+    llm._ids = itertools.count()

@@ -1,0 +1,212 @@
+"""`jaxmamba export`: write an artifact directory (see `jaxmamba.export.artifact`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxmamba.export.artifact import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PLATFORM_IMPLS,
+    UNSTABLE_CUSTOM_CALLS,
+    bucket_name,
+    sha256,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "config.json")  # fmt: skip
+
+
+def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_decode):
+    """The engine step on flat lists of leaves: what an artifact stores for one bucket."""
+    from jaxmamba.engine.runner import step_fn
+
+    args = [jax.tree.unflatten(t, leaves) for t, leaves in
+            zip(trees, (params, cache, slot_state, inputs), strict=True)]  # fmt: skip
+    packed, cache, slot_state = step_fn(*args, model=model, spec=spec, num_decode=num_decode)
+    return packed, jax.tree.leaves(cache), jax.tree.leaves(slot_state)
+
+
+def _aval(x) -> dict:
+    return {"shape": [int(d) for d in x.shape], "dtype": np.dtype(x.dtype).name}
+
+
+def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
+    """The abstract `(params, cache, slot_state, inputs)` of one bucket's step, and their
+    treedefs."""
+    import jax.numpy as jnp
+
+    from jaxmamba.engine.runner import SlotState
+    from jaxmamba.model.cache import cache_shapes
+    from jaxmamba.model.sampling import init_penalty_state
+
+    slot_state = jax.eval_shape(
+        lambda: SlotState(
+            jnp.zeros(spec.num_slots + 1, jnp.int32),
+            init_penalty_state(spec.num_slots, cfg.vocab_size),
+        )
+    )
+    inputs = builder.padding(bucket)
+    args = (params_tree, cache_shapes(cfg, spec, dtype), slot_state, inputs)
+    trees = tuple(jax.tree.structure(a) for a in args)
+    flat = tuple(
+        [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
+                              else x.dtype) for x in jax.tree.leaves(a)]
+        for a in args
+    )  # fmt: skip
+    return flat, trees
+
+
+def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, impl=None):
+    """`jax.export` of one bucket's step for `platform` (flat leaves in and out)."""
+    from jaxmamba.model.model import Mamba2HybridLM
+
+    model = Mamba2HybridLM(cfg, dtype, impl or PLATFORM_IMPLS[platform])
+    flat, trees = step_specs(cfg, spec, dtype, params_tree, builder, bucket)
+    fn = jax.jit(
+        functools.partial(_flat_step, trees=trees, model=model, spec=spec,
+                          num_decode=bucket.num_decode),
+        donate_argnums=(1, 2),
+    )  # fmt: skip
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(c) for c in UNSTABLE_CUSTOM_CALLS]
+    return jax.export.export(fn, platforms=(platform,), disabled_checks=disabled)(*flat)
+
+
+def export_artifact(
+    model: str,
+    out: str | os.PathLike,
+    *,
+    platforms: Sequence[str] = ("cpu",),
+    dtype: str = "auto",
+    seed: int = 0,
+    engine: dict | None = None,
+    weights: bool = True,
+    buckets: Sequence | None = None,
+    params=None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Export `model` (a preset, YAML or HF checkpoint) served with the `engine` settings
+    (`EngineConfig` fields) into the directory `out`; returns it.
+
+    `buckets`: the `Bucket`s to export (default: every bucket the scheduler can use, what
+    `precompile` compiles); an artifact serves only steps of the buckets it holds.
+    `weights=False` (`--no-weights`) leaves the weights out: `LLM(out, params=...)` or
+    `weights=` a checkpoint then brings them."""
+    from jaxmamba.config import ModelConfig, checkpoint_dir
+    from jaxmamba.engine.batch import StepBuilder
+    from jaxmamba.engine.config import EngineConfig
+    from jaxmamba.engine.scheduler import Scheduler
+    from jaxmamba.llm import DTYPES, _with_tokenizer_eos, load_params, resolve_dtype
+    from jaxmamba.model.cache import CacheSpec, cache_shapes
+    from jaxmamba.model.metadata import StepInputs
+    from jaxmamba.model.orbax_io import flat_specs, save_params
+    from jaxmamba.model.params import param_shapes
+    from jaxmamba.tokenizer import load_tokenizer
+
+    say = progress or (lambda _msg: None)
+    unknown = sorted(set(platforms) - set(PLATFORM_IMPLS))
+    if unknown or not platforms:
+        raise ValueError(f"platforms must be among {sorted(PLATFORM_IMPLS)}, got {platforms}")
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            raise ValueError(f"{out} exists: pick a new directory (or overwrite=True)")
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    dtype_name = {"bf16": "bfloat16", "fp32": "float32"}.get(d := resolve_dtype(dtype, model), d)
+    jdtype = DTYPES[dtype_name]
+    cfg = ModelConfig.load(model)
+    tokenizer = load_tokenizer(model, cfg)
+    cfg = _with_tokenizer_eos(cfg, tokenizer)
+    engine_cfg = EngineConfig(**(engine or {})).for_chunk_size(cfg.chunk_size)
+    spec = CacheSpec(
+        num_slots=engine_cfg.state_slots, num_pages=engine_cfg.pages,
+        page_size=engine_cfg.page_size,
+    )  # fmt: skip
+    all_buckets = Scheduler(cfg, engine_cfg).all_buckets()
+    buckets = list(all_buckets if buckets is None else buckets)
+    builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
+    params_tree = param_shapes(cfg, jdtype)
+
+    weights_entry = None
+    if weights:
+        start = time.perf_counter()
+        if params is None:
+            params = load_params(model, cfg, jdtype, seed)
+        save_params(tmp / "weights", params)
+        tensors = {k: {"shape": list(s), "dtype": d} for k, (s, d) in flat_specs(params).items()}
+        weights_entry = {"path": "weights", "format": "orbax", "tensors": tensors}
+        say(f"weights: Orbax checkpoint in {time.perf_counter() - start:.1f} s")
+    ckpt = checkpoint_dir(model)
+    tokenizer_dir = None
+    if ckpt is not None and (ckpt / "tokenizer.json").is_file():
+        (tmp / "tokenizer").mkdir()
+        for name in TOKENIZER_FILES:
+            if (ckpt / name).is_file():
+                shutil.copy2(ckpt / name, tmp / "tokenizer" / name)
+        tokenizer_dir = "tokenizer"
+
+    entries = []
+    for bucket in buckets:
+        entry = {"num_tokens": bucket.num_tokens, "num_rows": bucket.num_rows,
+                 "num_decode": bucket.num_decode, "files": {}}  # fmt: skip
+        for platform in platforms:
+            start = time.perf_counter()
+            exp = export_step(cfg, spec, jdtype, params_tree, builder, bucket, platform)
+            rel = f"steps/{platform}/{bucket_name(*dataclasses.astuple(bucket))}.jaxexport"
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(exp.serialize())
+            entry["files"][platform] = {"path": rel, "sha256": sha256(tmp / rel)}
+            if "inputs" not in entry:
+                entry["inputs"] = [_aval(a) for a in exp.in_avals]
+                entry["outputs"] = [_aval(a) for a in exp.out_avals]
+                entry["in_shardings"] = [str(s) for s in exp.in_shardings_hlo]
+                entry["out_shardings"] = [str(s) for s in exp.out_shardings_hlo]
+                entry["num_devices"] = exp.nr_devices
+            say(f"exported {platform} step T={bucket.num_tokens} B={bucket.num_rows} "
+                f"decode={bucket.num_decode} in {time.perf_counter() - start:.1f} s")  # fmt: skip
+        entries.append(entry)
+
+    slot_avals, _ = step_specs(cfg, spec, jdtype, params_tree, builder, buckets[0])
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "jax_version": jax.__version__,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "source": str(model),
+        "platforms": list(platforms),
+        "impls": {p: PLATFORM_IMPLS[p] for p in platforms},
+        "model": cfg.to_dict(),
+        "dtype": dtype_name,
+        "engine": dataclasses.asdict(engine_cfg),
+        "cache": spec._asdict(),
+        "input_fields": list(StepInputs._fields),
+        "state": {
+            "params": len(slot_avals[0]),
+            "cache": [_aval(a) for a in jax.tree.leaves(cache_shapes(cfg, spec, jdtype))],
+            "slot_state": [_aval(a) for a in slot_avals[2]],
+        },
+        "all_buckets": len(all_buckets),
+        "buckets": entries,
+        "weights": weights_entry,
+        "tokenizer": tokenizer_dir,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    tmp.rename(out)
+    return out

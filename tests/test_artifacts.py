@@ -1,0 +1,206 @@
+"""Exported artifacts (`jaxmamba export`): a fresh process serves the artifact alone, without
+the model code, and its greedy tokens and logprobs equal the live engine's and HF
+transformers' (a random float32 checkpoint), prefix-cache hit included; a corrupted or
+mismatched artifact is rejected naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from jaxmamba import LLM, SamplingParams
+from jaxmamba.export.artifact import MANIFEST, ArtifactError, read_artifact
+from jaxmamba.export.writer import export_artifact
+
+from hf_fixtures import make_nemotron_h_checkpoint
+from model_helpers import random_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+# 3 buckets (one decode, a prefill, a mixed step); track_interval 8 so the 19-token prompt
+# leaves a prefix for the second pass (in one of the spare state slots).
+ENGINE = dict(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=16, max_prefill_seqs=1,
+              page_size=4, track_interval=8, num_state_slots=4)  # fmt: skip
+MAX_TOKENS = 6
+# The model code: none of it may be imported by a process that serves an artifact.
+MODEL_MODULES = tuple(
+    f"jaxmamba.model.{m}" for m in ("model", "layers", "mamba2", "attention", "params", "loader")
+)
+
+SERVE = """
+import json, sys
+from jaxmamba import LLM, SamplingParams
+llm = LLM(sys.argv[1], compilation_cache=False)
+sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+runs = []
+for _ in range(2):  # the second pass hits the prefix cache
+    outs = llm.generate(prompt_token_ids=json.loads(sys.argv[2]), sampling_params=sp,
+                        use_tqdm=False)
+    runs.append([{"tokens": o.outputs[0].token_ids, "cached": o.num_cached_tokens,
+                  "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                               o.outputs[0].token_ids)]}
+                 for o in outs])
+print(json.dumps({"runs": runs, "modules": sorted(sys.modules),
+                  "compiles": llm.stats()["compilations"]}))
+""".replace("MAX_TOKENS", str(MAX_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, model = make_nemotron_h_checkpoint(tmp_path_factory.mktemp("hf"), with_tokenizer=True)
+    return path, model.eval()
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint, tmp_path_factory):
+    return export_artifact(
+        str(checkpoint[0]), tmp_path_factory.mktemp("export") / "art", engine=ENGINE
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    return random_prompts(np.random.default_rng(3), [19, 1, 7], 97)
+
+
+def _result(outs):
+    return [
+        {
+            "tokens": o.outputs[0].token_ids,
+            "cached": o.num_cached_tokens,
+            "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                        o.outputs[0].token_ids, strict=True)],
+        }
+        for o in outs
+    ]  # fmt: skip
+
+
+def test_fresh_process_serves_the_artifact_without_the_model_code(artifact, checkpoint, prompts):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", SERVE, str(artifact), json.dumps(prompts)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    served = json.loads(run.stdout.strip().splitlines()[-1])
+    imported = [m for m in MODEL_MODULES if m in served["modules"]]
+    assert not imported, f"the artifact process imported the model code: {imported}"
+    assert "jaxmamba.export.serving" in served["modules"]
+    assert 1 <= served["compiles"] <= len(read_artifact(artifact).buckets())
+
+    # The live engine on the same checkpoint and settings, twice as well.
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(str(checkpoint[0]), compilation_cache=False, **ENGINE)
+    live = [_result(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
+            for _ in range(2)]  # fmt: skip
+    first, second = served["runs"]
+    assert second[0]["cached"] > 0 and live[1][0]["cached"] == second[0]["cached"]
+    for ours, theirs in zip(first + second, live[0] + live[1], strict=True):
+        assert ours["tokens"] == theirs["tokens"]
+        np.testing.assert_allclose(ours["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
+
+    # HF transformers, the independent oracle.
+    model = checkpoint[1]
+    for prompt, ours, again in zip(prompts, first, second, strict=True):
+        with torch.no_grad():
+            gen = model.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                do_sample=False, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        hf_tokens = gen.sequences[0, len(prompt) :].tolist()
+        hf_logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item()
+                       for lg, t in zip(gen.logits, hf_tokens, strict=True)]  # fmt: skip
+        assert ours["tokens"] == hf_tokens and again["tokens"] == hf_tokens
+        np.testing.assert_allclose(ours["logprobs"], hf_logprobs, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(again["logprobs"], hf_logprobs, atol=1e-4, rtol=0)
+
+
+def test_manifest_lists_every_bucket_with_shapes(artifact):
+    m = read_artifact(artifact).manifest
+    from jaxmamba.config import ModelConfig
+    from jaxmamba.engine.config import EngineConfig
+    from jaxmamba.engine.scheduler import Scheduler
+
+    cfg = ModelConfig.from_dict(m["model"])
+    buckets = Scheduler(cfg, EngineConfig(**m["engine"])).all_buckets()
+    assert [(b["num_tokens"], b["num_rows"], b["num_decode"]) for b in m["buckets"]] == [
+        (b.num_tokens, b.num_rows, b.num_decode) for b in buckets
+    ]
+    for b in m["buckets"]:
+        n_in = m["state"]["params"] + len(m["state"]["cache"]) + len(m["state"]["slot_state"])
+        step_inputs = b["inputs"][n_in:]
+        assert len(step_inputs) == len(m["input_fields"])
+        assert step_inputs[0] == {"shape": [b["num_tokens"]], "dtype": "int32"}  # input_ids
+        assert b["outputs"][0]["shape"][0] == b["num_rows"]  # packed samples, one per row
+        assert len(b["in_shardings"]) == len(b["inputs"]) and b["num_devices"] == 1
+    assert (Path(artifact) / "tokenizer" / "tokenizer.json").is_file()
+
+
+def _copy(artifact, tmp_path) -> Path:
+    dst = tmp_path / "art"
+    shutil.copytree(artifact, dst)
+    return dst
+
+
+def _edit(path: Path, change) -> None:
+    m = json.loads((path / MANIFEST).read_text())
+    change(m)
+    (path / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "change, field, held, expected",
+    [
+        (lambda m: m.update(jax_version="0.0.1"), "jax_version", "0.0.1", None),
+        (lambda m: m.update(format_version=99), "format_version", "99", "1"),
+        (lambda m: m.update(platforms=["tpu"]), "platforms", "['tpu']", "'cpu'"),
+        (lambda m: m["input_fields"].pop(), "input_fields", None, "penalty_reset"),
+        (lambda m: m["model"].update(vocab_size=101), "state.slot_state", "97", "101"),
+        (lambda m: m["buckets"][1]["outputs"][0]["shape"].__setitem__(1, 7), "outputs", "7",
+         None),
+        (lambda m: m["engine"].update(max_num_seqs=2), "buckets", None, None),
+    ],
+    ids=["jax_version", "format_version", "platform", "input_fields", "config", "shapes",
+         "engine"],
+)  # fmt: skip
+def test_mismatched_manifest_is_rejected_naming_the_field(
+    artifact, tmp_path, change, field, held, expected
+):
+    import jax
+
+    path = _copy(artifact, tmp_path)
+    _edit(path, change)
+    with pytest.raises(ArtifactError) as err:
+        LLM(str(path), compilation_cache=False)  # LLM's defaults: the artifact's settings
+    message = str(err.value)
+    assert repr(field) in message, message
+    for text in (held, expected):
+        if text is not None:
+            assert text in message, message
+    if field == "jax_version":
+        assert jax.__version__ in message
+
+
+def test_corrupted_files_are_rejected(artifact, tmp_path):
+    path = _copy(artifact, tmp_path)
+    step = sorted((path / "steps" / "cpu").iterdir())[1]
+    blob = bytearray(step.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    step.write_bytes(bytes(blob))
+    with pytest.raises(ArtifactError, match=rf"{step.name}: corrupted: sha256"):
+        LLM(str(path), compilation_cache=False, **ENGINE)
+    (path / MANIFEST).write_text((path / MANIFEST).read_text()[:-100])
+    with pytest.raises(ArtifactError, match="corrupted, not JSON"):
+        LLM(str(path), compilation_cache=False)
+
+
+def test_asking_for_other_engine_settings_is_rejected(artifact):
+    with pytest.raises(ArtifactError, match="'max_num_seqs' holds 1, expected 4"):
+        LLM(str(artifact), compilation_cache=False, **{**ENGINE, "max_num_seqs": 4})
