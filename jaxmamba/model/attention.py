@@ -1,14 +1,33 @@
-"""GQA self-attention over the paged KV cache (Nemotron-H attention: no RoPE)."""
+"""GQA self-attention over the paged KV cache, with RoPE when the config sets `rope_theta`
+(Nemotron-H: none; Bamba: on half of each head; Granite/Falcon-H1: on all of it)."""
 
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.attention import paged_attention, write_kv
 from jaxmamba.model.layers import Dtype, Linear
 from jaxmamba.model.metadata import ForwardMetadata
+
+
+def apply_rope(
+    x: jax.Array,  # [T, H, Dh]
+    positions: jax.Array,  # i32[T]
+    theta: float,
+    dim: int,
+) -> jax.Array:
+    """Rotate the first `dim` dims of each head by position, in halves (HF `rotate_half`
+    layout), in float32; the remaining dims pass through."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))  # [dim/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, dim/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    rot = x[..., :dim].astype(jnp.float32)
+    x1, x2 = rot[..., : dim // 2], rot[..., dim // 2 :]
+    rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rot.astype(x.dtype), x[..., dim:]], axis=-1)
 
 
 class Attention(nn.Module):
@@ -32,24 +51,28 @@ class Attention(nn.Module):
         linear = lambda features, axes, name: Linear(  # noqa: E731
             features, axes, bias, self.dtype, self.small_m_impl, name=name
         )
-        q = linear(hq * dh, ("embed", "q_heads"), "q_proj")(x)
-        k = linear(hkv * dh, ("embed", "kv_heads"), "k_proj")(x)
-        v = linear(hkv * dh, ("embed", "kv_heads"), "v_proj")(x)
+        q = linear(hq * dh, ("embed", "q_heads"), "q_proj")(x).reshape(num_tokens, hq, dh)
+        k = linear(hkv * dh, ("embed", "kv_heads"), "k_proj")(x).reshape(num_tokens, hkv, dh)
+        v = linear(hkv * dh, ("embed", "kv_heads"), "v_proj")(x).reshape(num_tokens, hkv, dh)
+        if cfg.rope_theta:
+            rope_dim = cfg.rope_dim or dh
+            q = apply_rope(q, meta.positions, cfg.rope_theta, rope_dim)
+            k = apply_rope(k, meta.positions, cfg.rope_theta, rope_dim)
         k_pages, v_pages = write_kv(
             k_pages,
             v_pages,
-            k.reshape(num_tokens, hkv, dh).astype(k_pages.dtype),
-            v.reshape(num_tokens, hkv, dh).astype(v_pages.dtype),
+            k.astype(k_pages.dtype),
+            v.astype(v_pages.dtype),
             meta.kv_slot_mapping,
         )
         o = paged_attention(
-            q.reshape(num_tokens, hq, dh),
+            q,
             k_pages,
             v_pages,
             meta.page_table,
             meta.token_rows,
             meta.positions,
-            scale=dh**-0.5,
+            scale=cfg.attention_scale or dh**-0.5,
             impl=self.impl,
         )
         out = linear(cfg.hidden_size, ("q_heads", "embed"), "o_proj")(

@@ -1,4 +1,4 @@
-"""Building blocks shared by the mixers: linear projections, RMS norms, the relu² MLP.
+"""Building blocks shared by the mixers: linear projections, RMS norms, the MLPs.
 
 Every parameter is declared with logical axis names (see `LOGICAL_AXES` in `model.py`) so a
 tensor-parallel mesh can shard it later without touching the layers.
@@ -86,15 +86,21 @@ class RMSNorm(nn.Module):
 
 
 class GatedGroupRMSNorm(nn.Module):
-    """`rmsnorm(y * silu(z))` normalised within `num_groups` equal groups of the last axis."""
+    """`rmsnorm(y * silu(z))` normalised within `num_groups` equal groups of the last axis;
+    with `normalize=False` just `y * silu(z)`, without parameters (Falcon-H1's
+    `mamba_rms_norm=False`)."""
 
     num_groups: int
     eps: float
     dtype: Dtype = jnp.float32
+    normalize: bool = True
 
     @nn.compact
     def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
         width = y.shape[-1]
+        if not self.normalize:
+            gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+            return gated.astype(self.dtype)
         scale = self.param(
             "scale",
             nn.with_logical_partitioning(nn.initializers.ones, ("mamba_inner",)),
@@ -109,12 +115,23 @@ class GatedGroupRMSNorm(nn.Module):
         return (scale * grouped.reshape(y.shape)).astype(self.dtype)
 
 
-class ReluSquaredMLP(nn.Module):
-    """`down(relu(up(x))²)` — the Nemotron-H MLP block."""
+def activate(h: jax.Array, activation: str) -> jax.Array:
+    """The MLP nonlinearity on float32 `h`; for "silu_glu", `h` is `[gate | up]` on its last
+    axis."""
+    if activation == "relu2":
+        return jnp.square(jax.nn.relu(h))
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """`down(relu(up(x))²)` (Nemotron-H, "relu2") or `down(silu(gate(x)) * up(x))`
+    (Llama-style SwiGLU, "silu_glu")."""
 
     hidden_size: int
     intermediate_size: int
     use_bias: bool
+    activation: str = "relu2"
     dtype: Dtype = jnp.float32
     small_m_impl: str | None = None
 
@@ -123,6 +140,12 @@ class ReluSquaredMLP(nn.Module):
         linear = lambda features, axes, name: Linear(  # noqa: E731
             features, axes, self.use_bias, self.dtype, self.small_m_impl, name=name
         )
-        h = linear(self.intermediate_size, ("embed", "mlp"), "up_proj")(x)
-        h = jnp.square(jax.nn.relu(h.astype(jnp.float32))).astype(self.dtype)
+        F = self.intermediate_size
+        if self.activation == "relu2":
+            h = linear(F, ("embed", "mlp"), "up_proj")(x).astype(jnp.float32)
+        else:
+            gate = linear(F, ("embed", "mlp"), "gate_proj")(x)
+            up = linear(F, ("embed", "mlp"), "up_proj")(x)
+            h = jnp.concatenate([gate, up], axis=-1).astype(jnp.float32)
+        h = activate(h, self.activation).astype(self.dtype)
         return linear(self.hidden_size, ("mlp", "embed"), "down_proj")(h)

@@ -1,8 +1,10 @@
-"""The Mamba2-hybrid language model: embed → [Mamba2 | attention | MLP] × L → norm → lm_head.
+"""The Mamba2-hybrid language model: embed → [Mamba2 | attention | MLP | MoE | Mamba2 ‖
+attention] × L → norm → lm_head.
 
 Functional at the jit boundary: `params`, `cache` and the step's `ForwardMetadata` go in,
 hidden states and the new cache come out (`Mamba2HybridLM.apply`). The layer pattern comes
-from `ModelConfig.layer_types`; a pure Mamba2 LM is the pattern with only "mamba".
+from `ModelConfig.layer_types` (each family's config adapter writes it, see
+`jaxmamba.model.families`); a pure Mamba2 LM is the pattern with only "mamba".
 """
 
 from __future__ import annotations
@@ -14,19 +16,44 @@ import jax.numpy as jnp
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.attention import Attention
 from jaxmamba.model.cache import StateCache
-from jaxmamba.model.layers import Dtype, ReluSquaredMLP, RMSNorm, matmul_precision
+from jaxmamba.model.layers import MLP, Dtype, RMSNorm, matmul_precision
 from jaxmamba.model.mamba2 import Mamba2Mixer
 from jaxmamba.model.metadata import ForwardMetadata
+from jaxmamba.model.moe import MoE
 
 # Logical axis names used by parameters and caches. A sharding rule maps each to a mesh axis.
 LOGICAL_AXES = (
     "vocab", "embed", "mlp", "q_heads", "kv_heads",
     "mamba_in", "mamba_inner", "mamba_conv", "mamba_heads", "slots", "pages",
+    "experts", "moe_mlp",
 )  # fmt: skip
 
 
+class ParallelMixer(nn.Module):
+    """Falcon-H1: a Mamba2 mixer and attention side by side on the same normed input, summed
+    (their µP multipliers are folded into the projections by the family's parameter map)."""
+
+    cfg: ModelConfig
+    dtype: Dtype
+    impl: str = "auto"
+    small_m_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, x, conv_pool, ssm_pool, k_pages, v_pages, meta):
+        cfg, small_m = self.cfg, self.small_m_impl
+        m, conv_pool, ssm_pool = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, name="mamba")(
+            x, conv_pool, ssm_pool, meta
+        )
+        a, k_pages, v_pages = Attention(cfg, self.dtype, self.impl, small_m, name="attention")(
+            x, k_pages, v_pages, meta
+        )
+        out = (m.astype(jnp.float32) + a.astype(jnp.float32)).astype(self.dtype)
+        return out, conv_pool, ssm_pool, k_pages, v_pages
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: `x + mixer(rmsnorm(x))`; the residual stream stays float32."""
+    """Pre-norm residual block: `x + residual_multiplier · mixer(rmsnorm(x))`; the residual
+    stream stays float32."""
 
     cfg: ModelConfig
     layer_type: str
@@ -46,12 +73,21 @@ class Block(nn.Module):
             out, *cache_entry = Attention(cfg, self.dtype, self.impl, small_m, name="mixer")(
                 h, *cache_entry, meta
             )
+        elif self.layer_type == "parallel":
+            out, *cache_entry = ParallelMixer(cfg, self.dtype, self.impl, small_m, name="mixer")(
+                h, *cache_entry, meta
+            )
+        elif self.layer_type == "moe":
+            out = MoE(cfg, self.dtype, small_m, name="mixer")(h)
         else:
-            out = ReluSquaredMLP(
-                cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, self.dtype,
-                small_m, name="mixer",
+            out = MLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_activation,
+                self.dtype, small_m, name="mixer",
             )(h)  # fmt: skip
-        return x + out.astype(jnp.float32), tuple(cache_entry)
+        out = out.astype(jnp.float32)
+        if cfg.residual_multiplier != 1:
+            out = out * cfg.residual_multiplier
+        return x + out, tuple(cache_entry)
 
 
 class LMHead(nn.Module):
@@ -112,12 +148,18 @@ class Mamba2HybridLM(nn.Module):
         """Run every layer over the step's tokens; returns normed hidden `[T, E]` and the cache."""
         cfg = self.cfg
         x = self.embed(input_ids).astype(jnp.float32)
+        if cfg.embedding_multiplier != 1:
+            x = x * cfg.embedding_multiplier
         conv, ssm = list(cache.conv), list(cache.ssm)
         k_pages, v_pages = list(cache.k_pages), list(cache.v_pages)
         mamba_index = {layer: i for i, layer in enumerate(cfg.mamba_layers)}
         attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
         for layer, block in enumerate(self.layers):
-            if layer in mamba_index:
+            if layer in mamba_index and layer in attention_index:
+                m, a = mamba_index[layer], attention_index[layer]
+                entry = (conv[m], ssm[m], k_pages[a], v_pages[a])
+                x, (conv[m], ssm[m], k_pages[a], v_pages[a]) = block(x, entry, meta)
+            elif layer in mamba_index:
                 m = mamba_index[layer]
                 x, (conv[m], ssm[m]) = block(x, (conv[m], ssm[m]), meta)
             elif layer in attention_index:
@@ -139,9 +181,12 @@ class Mamba2HybridLM(nn.Module):
             kernel = self.embed.embedding.T
         else:
             kernel = self.lm_head()
-        return jnp.dot(
+        logits = jnp.dot(
             hidden.astype(self.dtype),
             kernel,
             preferred_element_type=jnp.float32,
             precision=matmul_precision(self.dtype),
         )
+        if self.cfg.logits_multiplier != 1:
+            logits = logits * self.cfg.logits_multiplier
+        return logits

@@ -263,3 +263,22 @@ def check_finite_multiplier(name: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"HF config {name}={value!r} is invalid: expected a finite float")
     return value
+
+
+def two_block_layers(
+    cfg: ModelConfig, hf_layer: Callable[[int], str], *, norms: tuple[str, str]
+) -> list[tuple[tuple[str, ...], str, str]]:
+    """For families whose HF decoder layer is `x += mixer(norm1(x)); x += ffn(norm2(x))`: our
+    layer j is HF layer j // 2, its mixer (j even) or its feed-forward (j odd). Yields
+    (our mixer path, HF layer name, HF norm name) per layer, norms written into `plan` by the
+    caller."""
+    out = []
+    for j in range(cfg.num_layers):
+        hf = hf_layer(j // 2)
+        out.append(((f"layers_{j}", "mixer"), hf, f"{hf}.{norms[j % 2]}"))
+    return out
+
+
+def paired_layer_types(mixers: list[str], ffn: str) -> tuple[str, ...]:
+    """Our layer types for HF decoder layers of (mixer, feed-forward) each."""
+    return tuple(t for m in mixers for t in (m, ffn))

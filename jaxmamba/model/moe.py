@@ -1,0 +1,140 @@
+"""Mixture-of-experts feed-forward: a router picks `k` of `X` experts per token, the routed
+experts run as grouped matmuls over the tokens sorted by expert, plus an optional shared
+expert that every token goes through.
+
+Static shapes throughout: the `T·k` (token, expert) assignments are sorted by expert id and
+`jax.lax.ragged_dot` multiplies each contiguous group by its expert's weights, with the group
+sizes a device array (`bincount` with a fixed length). A new routing changes values, never
+shapes, so nothing recompiles and nothing waits for the host.
+
+Letters: T tokens, E hidden, X experts, k experts per token, F expert width.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.model.layers import MLP, Dtype, Linear, activate, matmul_precision
+
+
+def route_softmax_topk(
+    logits: jax.Array,  # f32[T, X]
+    k: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Granite: the top-k logits, softmax over those k. Returns (f32[T, k] weights, i32[T, k])."""
+    top, idx = lax.top_k(logits, k)
+    return jax.nn.softmax(top, axis=-1), idx
+
+
+def route_sigmoid_grouped(
+    logits: jax.Array,  # f32[T, X]
+    correction_bias: jax.Array,  # f32[X]
+    k: int,
+    num_groups: int,
+    topk_groups: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3 / Nemotron-H: sigmoid scores; experts are chosen by score + bias, only in
+    the `topk_groups` groups whose two best biased scores sum highest; the weights are the
+    unbiased scores of the chosen, optionally renormalised, times `scaling`."""
+    T, X = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + correction_bias
+    if num_groups > 1:
+        grouped = choice.reshape(T, num_groups, X // num_groups)
+        group_scores = lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+        _, best = lax.top_k(group_scores, topk_groups)
+        keep = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, X // num_groups, axis=1), choice, -jnp.inf)
+    _, idx = lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * scaling, idx
+
+
+def grouped_experts(
+    x: jax.Array,  # [T, E]
+    weights: jax.Array,  # f32[T, k]
+    idx: jax.Array,  # i32[T, k]
+    w_up: jax.Array,  # [X, E, F] ([X, E, 2F] for a gated activation: gate | up)
+    w_down: jax.Array,  # [X, F, E]
+    activation: str,
+    dtype: Dtype,
+) -> jax.Array:
+    """`sum_j weights[t, j] · expert_{idx[t, j]}(x[t])` as f32[T, E], by two `ragged_dot`s over
+    the assignments sorted by expert."""
+    T, k = idx.shape
+    flat = idx.reshape(-1)  # [T·k]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # the token of each sorted assignment
+    sizes = jnp.bincount(flat, length=w_up.shape[0]).astype(jnp.int32)  # [X]
+    precision = matmul_precision(dtype)
+    xs = x.astype(dtype)[token]  # [T·k, E]
+    h = lax.ragged_dot(xs, w_up.astype(dtype), sizes, precision=precision,
+                       preferred_element_type=jnp.float32)  # fmt: skip
+    h = activate(h, activation).astype(dtype)
+    y = lax.ragged_dot(h, w_down.astype(dtype), sizes, precision=precision,
+                       preferred_element_type=jnp.float32)  # fmt: skip
+    y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+    dtype: Dtype = jnp.float32
+    small_m_impl: str | None = None  # see Linear (router and shared expert)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
+        cfg = self.cfg
+        X, k, F, E = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                      cfg.hidden_size)  # fmt: skip
+        if cfg.moe_router == "sigmoid_grouped":
+            # Nemotron-H keeps the router in float32 and scores float32 inputs.
+            kernel = self.param(
+                "router",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
+                (E, X),
+                jnp.float32,
+            )
+            bias = self.param(
+                "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (X,)
+            )
+            logits = jnp.dot(x.astype(jnp.float32), kernel, precision=lax.Precision.HIGHEST)
+            weights, idx = route_sigmoid_grouped(
+                logits, bias, k, cfg.moe_num_groups, cfg.moe_topk_groups,
+                cfg.moe_norm_topk_prob, cfg.moe_routed_scaling,
+            )  # fmt: skip
+        else:
+            # Granite: logits in the model dtype, softmax weights rounded back to it.
+            logits = Linear(X, ("embed", None), False, self.dtype, name="router")(x)
+            weights, idx = route_softmax_topk(logits.astype(jnp.float32), k)
+            weights = weights.astype(self.dtype).astype(jnp.float32)
+        width = 2 * F if cfg.mlp_activation == "silu_glu" else F
+        init = nn.initializers.normal(0.02)
+        w_up = self.param(
+            "experts_up",
+            nn.with_logical_partitioning(init, ("experts", "embed", "moe_mlp")),
+            (X, E, width),
+            self.dtype,
+        )
+        w_down = self.param(
+            "experts_down",
+            nn.with_logical_partitioning(init, ("experts", "moe_mlp", "embed")),
+            (X, F, E),
+            self.dtype,
+        )
+        out = grouped_experts(x, weights, idx, w_up, w_down, cfg.mlp_activation, self.dtype)
+        if cfg.moe_shared_intermediate_size:
+            shared = MLP(
+                E, cfg.moe_shared_intermediate_size, cfg.mlp_bias, cfg.mlp_activation,
+                self.dtype, self.small_m_impl, name="shared_expert",
+            )(x)  # fmt: skip
+            out = out + shared.astype(jnp.float32)
+        return out.astype(self.dtype)

@@ -1,0 +1,138 @@
+"""What every model family must show against HF transformers (torch, CPU), on random-weight
+checkpoints written by `save_pretrained`: packed prefill logits (fp32, and one bf16 case),
+greedy generation through the engine's cache equal to `generate` with matching logprobs,
+through chunked prefill and a prefix-cache hit.
+
+`perturb` redraws every parameter (HF's init sets norms to 1, D to 1, biases to 0, A_log to
+log(1..H), routers to 0: values that would hide transposes, swapped halves and missing terms).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba.model.loader import load_hf_checkpoint
+
+from model_helpers import make_runner, prefill_logits, random_prompts, row
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g)
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        if leaf == "A_log":
+            p.copy_(torch.log(0.25 + 3.75 * rand(*p.shape)))  # A in [-4, -0.25]
+        elif leaf == "D":
+            p.copy_(1.0 + 0.5 * randn(*p.shape))
+        elif leaf == "dt_bias":
+            dt = 0.005 + 0.2 * rand(*p.shape)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+        elif "norm" in parent:
+            p.copy_(1.0 + 0.2 * randn(*p.shape))
+        elif leaf == "bias":
+            p.copy_(0.1 * randn(*p.shape))
+        elif parent == "conv1d":
+            p.copy_(randn(*p.shape) / math.sqrt(p.shape[-1]))
+        elif "embed" in name or name == "lm_head.weight":
+            p.copy_(2.0 * randn(*p.shape) / math.sqrt(p.shape[-1]))  # logits of std ~2
+        elif p.ndim in (2, 3):
+            # Linears [out, in] and stacked experts [X, out, in]: unit-variance outputs, halved
+            # so the residual stream grows slowly with depth; routers get clear preferences.
+            gain = 2.0 if "gate" in parent or "router" in name else 0.5
+            p.copy_(gain * randn(*p.shape) / math.sqrt(p.shape[-1]))
+        else:
+            raise AssertionError(f"perturb: unhandled parameter {name} {tuple(p.shape)}")
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * randn(*b.shape))
+
+
+def hf_logits(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rel: float = 1e-4) -> None:
+    scale = max(1.0, float(np.abs(ref).max()))
+    err = float(np.abs(ours - ref).max())
+    assert err <= rel * scale, f"max abs logit diff {err:.3g} > {rel} x scale {scale:.3g}"
+
+
+def check_prefill_logits(path, model, *, seed: int = 0) -> None:
+    """Several odd-length prompts packed into one padded prefill step, each against HF."""
+    cfg = ModelConfig.load(str(path))
+    params = load_hf_checkpoint(path, cfg, dtype=np.float32)
+    runner = make_runner(cfg, params)
+    c = cfg.chunk_size
+    lengths = [1, c - 1, 2 * c + 5, c + 3]
+    prompts = random_prompts(np.random.default_rng(seed), lengths, cfg.vocab_size)
+    rows = [row(p, 0, slot) for slot, p in enumerate(prompts)]
+    ours = prefill_logits(runner, rows, num_tokens=sum(lengths) + 5)
+    for p, logits in zip(prompts, ours, strict=True):
+        assert_logits_close(logits, hf_logits(model, p))
+
+
+def check_bf16_prefill_logits(path, model, *, rel: float = 0.06) -> None:
+    """bf16 weights and activations on both sides: the same logits within bf16 rounding."""
+    cfg = ModelConfig.load(str(path))
+    params = load_hf_checkpoint(path, cfg, dtype=jnp.bfloat16)
+    runner = make_runner(cfg, params, dtype=jnp.bfloat16)
+    prompt = random_prompts(np.random.default_rng(5), [2 * cfg.chunk_size + 3], cfg.vocab_size)[0]
+    (ours,) = prefill_logits(runner, [row(prompt, 0, 0)])
+    ref = hf_logits(copy.deepcopy(model).to(torch.bfloat16), prompt)
+    assert_logits_close(np.asarray(ours, np.float32), ref, rel=rel)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    with torch.no_grad():
+        gen = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = gen.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(step[0].float(), -1)[tok].item()
+        for step, tok in zip(gen.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs
+
+
+def check_generation(path, model, *, max_tokens: int = 5) -> None:
+    """Greedy generation through the engine (decode through the cache; a prompt longer than the
+    token budget is prefilled in chunks) equals HF `generate`, logprobs too; then a prompt
+    extending the first hits the prefix cache and still equals HF."""
+    llm = LLM(str(path), max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, page_size=4)
+    cfg = llm.model_cfg
+    block = math.lcm(cfg.chunk_size, 4)
+    rng = np.random.default_rng(1)
+    first = random_prompts(rng, [2 * block + 5, 3], cfg.vocab_size)  # 2 block + 5 > 16: chunked
+    extended = [first[0] + random_prompts(rng, [3], cfg.vocab_size)[0]]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
+    for prompts in (first, extended):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            tokens, logprobs = hf_greedy(model, prompt, max_tokens)
+            completion = out.outputs[0]
+            assert completion.token_ids == tokens, (len(prompt), completion.token_ids, tokens)
+            ours = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+            np.testing.assert_allclose(ours, logprobs, atol=1e-4, rtol=0)
+    assert outs[0].num_cached_tokens >= 2 * block, outs[0].num_cached_tokens
