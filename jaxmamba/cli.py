@@ -43,6 +43,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _llm(args):
     from jaxmamba import LLM
+    from jaxmamba.export.cli import cache_kwargs
 
     return LLM(
         args.model,
@@ -51,6 +52,7 @@ def _llm(args):
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        **cache_kwargs(args),
     )
 
 
@@ -131,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+    from jaxmamba.export.cli import add_cache_args
+    from jaxmamba.export.cli import add_parsers as add_export_parsers
+
+    add_cache_args(gen)
     # One static batch on the model runner: no scheduler, so no engine limits to set.
     bench = sub.add_parser("bench", help="prefill/decode throughput of one static batch")
     _add_model_args(bench)
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "with this impl (default: XLA's dot)",
     )
     bench.set_defaults(func=cmd_bench)
+    add_export_parsers(sub, _add_model_args, _add_engine_args)  # export, aot, convert
     args = parser.parse_args(argv)
     try:
         return args.func(args)

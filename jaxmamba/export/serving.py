@@ -222,6 +222,25 @@ def _check_exported(exported, entry: dict, key, platform: str, where: str) -> No
             )
 
 
+class ArtifactCachePlan:
+    """The cache an artifact was exported with (fixed: its shapes are in the steps)."""
+
+    def __init__(self, artifact: Artifact):
+        m = artifact.manifest
+        self.state_slots = m["cache"]["num_slots"]
+        self.pages = m["cache"]["num_pages"]
+        self.page_size = m["cache"]["page_size"]
+        self.cache_bytes = sum(
+            int(np.prod(a["shape"])) * np.dtype(a["dtype"]).itemsize for a in m["state"]["cache"]
+        )
+
+    def describe(self) -> str:
+        return (
+            f"cache: {self.state_slots} state slots, {self.pages} KV pages of {self.page_size} "
+            f"tokens, {self.cache_bytes / 2**20:.1f} MiB (fixed by the exported artifact)"
+        )
+
+
 # EngineConfig fields an artifact fixes (its bucket shapes and cache depend on them).
 _ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_prefill_seqs",
                   "page_size", "enable_prefix_caching", "track_interval", "num_state_slots",
@@ -255,7 +274,7 @@ def init_llm_from_artifact(llm, path, *, seed: int = 0, params=None, precompile:
 
     from jaxmamba.engine.engine import LLMEngine
     from jaxmamba.engine.scheduler import Scheduler
-    from jaxmamba.tokenizer import load_tokenizer
+    from jaxmamba.tokenizer import ByteTokenizer, load_tokenizer
 
     artifact = read_artifact(path)
     runner = ArtifactRunner(artifact, params, weights=weights)
@@ -271,11 +290,15 @@ def init_llm_from_artifact(llm, path, *, seed: int = 0, params=None, precompile:
         )
     tok = artifact.manifest.get("tokenizer")
     llm.dtype = runner.dtype
-    llm.tokenizer = load_tokenizer(Path(path) / tok, runner.cfg) if tok else None
+    if tok == "byte":
+        llm.tokenizer = ByteTokenizer()
+    else:
+        llm.tokenizer = load_tokenizer(Path(path) / tok, runner.cfg) if tok else None
     llm.model_cfg = runner.cfg
     llm.engine_cfg = engine_cfg
     llm.runner = runner
     llm.artifact = artifact
+    llm.cache_plan = ArtifactCachePlan(artifact)
     llm.engine = LLMEngine(runner.cfg, runner, engine_cfg, tokenizer=llm.tokenizer, seed=seed)
     if precompile:
         llm.engine.precompile()

@@ -161,6 +161,8 @@ def export_artifact(
             if (ckpt / name).is_file():
                 shutil.copy2(ckpt / name, tmp / "tokenizer" / name)
         tokenizer_dir = "tokenizer"
+    elif tokenizer is not None and type(tokenizer).__name__ == "ByteTokenizer":
+        tokenizer_dir = "byte"  # the byte-level presets' tokenizer: no files
 
     entries = []
     for bucket in buckets:

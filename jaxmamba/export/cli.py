@@ -1,0 +1,97 @@
+"""The `export`, `aot` and `convert` subcommands, and the compilation-cache flags of every
+command that builds an engine (added to the shared model flags by `jaxmamba.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compilation-cache-dir",
+        help="JAX's persistent compilation cache (default: $JAXMAMBA_COMPILATION_CACHE_DIR or "
+        "~/.cache/jaxmamba/xla): a second start-up loads the compiled steps from it",
+    )
+    p.add_argument(
+        "--no-compilation-cache",
+        dest="compilation_cache",
+        action="store_false",
+        help="compile every step afresh, writing nothing",
+    )
+
+
+def cache_kwargs(args) -> dict:
+    """The `LLM` kwargs of `add_cache_args`'s flags (none if the parser lacks them)."""
+    if not hasattr(args, "compilation_cache"):
+        return {}
+    return dict(
+        compilation_cache=args.compilation_cache, compilation_cache_dir=args.compilation_cache_dir
+    )
+
+
+def _engine_fields(args) -> dict:
+    """The `EngineConfig` fields among the parsed flags (None: the config's default)."""
+    from jaxmamba.engine.config import EngineConfig
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    out = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if getattr(args, "no_prefix_caching", False):
+        out["enable_prefix_caching"] = False
+    return out
+
+
+def _add_if_missing(p: argparse.ArgumentParser, flag: str, **kwargs) -> None:
+    if flag not in p._option_string_actions:
+        p.add_argument(flag, **kwargs)
+
+
+def cmd_export(args) -> int:
+    from jaxmamba.export.compile_cache import setup_compilation_cache
+    from jaxmamba.export.writer import export_artifact
+
+    setup_compilation_cache(enabled=False)  # export lowers only
+    platforms = [p.strip() for p in args.platforms.split(",") if p.strip()]
+    start = time.perf_counter()
+    out = export_artifact(
+        args.model,
+        args.out,
+        platforms=platforms,
+        dtype=args.dtype,
+        seed=args.seed,
+        engine=_engine_fields(args),
+        weights=args.weights,
+        overwrite=args.overwrite,
+        progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    print(f"wrote {out} ({', '.join(platforms)}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def add_parsers(sub, add_model_args, add_engine_args) -> None:
+    exp = sub.add_parser(
+        "export",
+        help="write a serving artifact: every bucket's jax.export step, Orbax weights, manifest",
+    )
+    add_model_args(exp)
+    add_engine_args(exp)
+    _add_if_missing(exp, "--max-prefill-seqs", type=int)
+    _add_if_missing(exp, "--page-size", type=int)
+    _add_if_missing(exp, "--track-interval", type=int)
+    _add_if_missing(exp, "--no-prefix-caching", action="store_true")
+    exp.add_argument("--out", required=True, help="the artifact directory to create")
+    exp.add_argument(
+        "--platforms",
+        default="cpu",
+        help="comma-separated jax.export platforms among cpu, cuda, tpu (default: cpu)",
+    )
+    exp.add_argument(
+        "--no-weights",
+        dest="weights",
+        action="store_false",
+        help="leave the weights out (serve with LLM(DIR, params=...))",
+    )
+    exp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    exp.set_defaults(func=cmd_export)
