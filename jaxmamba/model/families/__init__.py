@@ -36,9 +36,9 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from jaxmamba.model.families import bamba, mamba2, nemotron_h
+    from jaxmamba.model.families import bamba, granitemoehybrid, mamba2, nemotron_h
 
-    families = (nemotron_h.FAMILY, mamba2.FAMILY, bamba.FAMILY)
+    families = (nemotron_h.FAMILY, mamba2.FAMILY, bamba.FAMILY, granitemoehybrid.FAMILY)
     return {f.model_type: f for f in families}
 
 

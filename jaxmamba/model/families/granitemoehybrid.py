@@ -1,0 +1,144 @@
+"""IBM Granite 4.0-H (`granitemoehybrid`): each HF decoder layer is a Mamba2 mixer or attention
+(RoPE or none, as `position_embedding_type` says; scale `attention_multiplier`), then a MoE
+(top-k softmax router, SwiGLU experts) plus a shared SwiGLU expert — or the shared MLP alone
+when `num_local_experts` is 0. Embedding, residual and logits multipliers (µP). HF:
+`GraniteMoeHybridForCausalLM`."""
+
+from __future__ import annotations
+
+import math
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.model.families import Family, common
+
+_MIXERS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+           "full_attention": "attention"}  # fmt: skip
+
+
+def from_hf(c: dict, name: str) -> ModelConfig:
+    get = common.get
+    common.require(c, "hidden_act", ("silu",), "silu")
+    raw = c.get("layer_types") or c.get("layers_block_type")
+    if raw is None:
+        raise ValueError("HF granitemoehybrid config has no layer_types")
+    mixers = []
+    for i, t in enumerate(raw):
+        if t not in _MIXERS:
+            raise ValueError(f"HF config layer_types[{i}]={t!r} is not a known layer type")
+        mixers.append(_MIXERS[t])
+    experts = c.get("num_local_experts", 0) or 0
+    shared = c.get("shared_intermediate_size", 1024)
+    if not shared:
+        raise ValueError(f"HF config shared_intermediate_size={shared!r} is unsupported: > 0 only")
+    hidden = c.get("hidden_size", 1024)
+    num_heads = c.get("num_attention_heads", 32)
+    head_dim = hidden // num_heads  # GraniteMoeHybridAttention: hidden / heads
+    pos = c.get("position_embedding_type")
+    theta, rope_dim = common.rope(c, head_dim) if pos == "rope" else (0.0, 0)
+    mamba_heads = c.get("mamba_n_heads", 128)
+    d_inner = c.get("mamba_expand", 2) * hidden
+    mamba_head_dim = c.get("mamba_d_head", "auto")
+    if mamba_head_dim == "auto":
+        mamba_head_dim = d_inner // mamba_heads
+    if mamba_head_dim * mamba_heads != d_inner:
+        raise ValueError(
+            f"HF config mamba_d_head*mamba_n_heads={mamba_head_dim}*{mamba_heads} != "
+            f"mamba_expand*hidden_size={d_inner}"
+        )
+    limit = get(c, "time_step_limit", default=(0.0, math.inf))
+    scaling = common.check_finite_multiplier("logits_scaling", c.get("logits_scaling", 1.0))
+    moe = {}
+    if experts:
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=c.get("num_experts_per_tok", 2),
+            moe_intermediate_size=c.get("intermediate_size", 512),
+            moe_shared_intermediate_size=shared,
+            moe_router="softmax_topk",
+        )
+    return ModelConfig(
+        model_type="granitemoehybrid",
+        vocab_size=c.get("vocab_size", 32000),
+        hidden_size=hidden,
+        layer_types=common.paired_layer_types(mixers, "moe" if experts else "mlp"),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        mamba_num_heads=mamba_heads,
+        mamba_head_dim=mamba_head_dim,
+        n_groups=c.get("mamba_n_groups", 1),
+        ssm_state_size=c.get("mamba_d_state", 256),
+        conv_kernel=c.get("mamba_d_conv", 4),
+        chunk_size=c.get("mamba_chunk_size", 256),
+        use_conv_bias=bool(c.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(c.get("mamba_proj_bias", False)),
+        time_step_limit=tuple(common.as_float(v) for v in limit),
+        residual_in_fp32=True,
+        num_attention_heads=num_heads,
+        num_key_value_heads=get(c, "num_key_value_heads", default=num_heads),
+        head_dim=head_dim,
+        attention_bias=bool(c.get("attention_bias", False)),
+        intermediate_size=0 if experts else shared,
+        mlp_bias=False,
+        mlp_activation="silu_glu",
+        rope_theta=theta,
+        rope_dim=rope_dim,
+        attention_scale=common.check_finite_multiplier(
+            "attention_multiplier", c.get("attention_multiplier", 1.0)
+        ),
+        embedding_multiplier=common.check_finite_multiplier(
+            "embedding_multiplier", c.get("embedding_multiplier", 1.0)
+        ),
+        residual_multiplier=common.check_finite_multiplier(
+            "residual_multiplier", c.get("residual_multiplier", 1.0)
+        ),
+        logits_multiplier=1.0 / scaling,
+        bos_token_id=common.token_id(c, "bos_token_id", 1),
+        eos_token_id=common.token_id(c, "eos_token_id", 2),
+        pad_token_id=common.token_id(c, "pad_token_id", None),
+        name=name,
+        **moe,
+    )
+
+
+def param_map(cfg: ModelConfig) -> list[common.Entry]:
+    E = cfg.hidden_size
+    plan = [common.embedding("embed_tokens.weight", cfg)]
+    layers = common.two_block_layers(
+        cfg, lambda i: f"layers.{i}", norms=("input_layernorm", "post_attention_layernorm")
+    )
+    for (m, hf, hf_norm), kind in zip(layers, cfg.layer_types, strict=True):
+        plan.append(common.norm((m[0], "norm"), hf_norm, E))
+        if kind == "mamba":
+            plan += common.mamba_mixer(m, f"{hf}.mamba", cfg)
+        elif kind == "attention":
+            plan += common.attention(m, f"{hf}.self_attn", cfg)
+        elif kind == "mlp":
+            plan += common.fused_glu_mlp(
+                m, f"{hf}.shared_mlp", E, cfg.intermediate_size, up="input_linear",
+                down="output_linear",
+            )  # fmt: skip
+        else:
+            X, F = cfg.num_experts, cfg.moe_intermediate_size
+            moe = f"{hf}.block_sparse_moe"
+            plan += [
+                common.Entry((*m, "router", "kernel"), f"{moe}.router.layer.weight", (X, E),
+                             common.transpose, common.transpose, False),
+                common.Entry((*m, "experts_up"), f"{moe}.input_linear.weight", (X, 2 * F, E),
+                             common.swap_last, common.swap_last, False),
+                common.Entry((*m, "experts_down"), f"{moe}.output_linear.weight", (X, E, F),
+                             common.swap_last, common.swap_last, False),
+            ]  # fmt: skip
+            plan += common.fused_glu_mlp(
+                (*m, "shared_expert"), f"{hf}.shared_mlp", E, cfg.moe_shared_intermediate_size,
+                up="input_linear", down="output_linear",
+            )  # fmt: skip
+    plan.append(common.norm(("norm_f",), "norm", E))
+    return plan + common.lm_head(cfg)
+
+
+FAMILY = Family(
+    model_type="granitemoehybrid",
+    architecture="GraniteMoeHybridForCausalLM",
+    from_hf=from_hf,
+    param_map=param_map,
+)
