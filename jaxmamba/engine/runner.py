@@ -9,6 +9,7 @@ compiles once.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -191,9 +192,22 @@ class ModelRunner:
         kwargs = dict(num_decode=num_decode, **self._static)
         return (self.params, self.cache, self.slot_state, inputs), kwargs
 
-    def precompile(self, buckets, build_inputs, progress=None) -> None:
-        """Compile (and run once, on padding only) the step of every bucket."""
-        for i, bucket in enumerate(buckets):
-            jax.block_until_ready(self.step(build_inputs(bucket), bucket.num_decode))
-            if progress is not None:
-                progress(i + 1, len(buckets), bucket)
+    def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:
+        """Compile the step of every bucket, then run each once on padding only. The buckets
+        are traced, lowered and compiled in `workers` threads (default: one per core, at most
+        8): XLA's compiles release the GIL, so they overlap (tracing does not)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        inputs = [jax.device_put(build_inputs(bucket)) for bucket in buckets]
+
+        def compile_one(bucket, x):
+            args, kwargs = self.step_args(x, bucket.num_decode)
+            jitted_step.lower(*args, **kwargs).compile()  # fills jitted_step's own cache
+
+        workers = workers or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for i, _ in enumerate(pool.map(compile_one, buckets, inputs)):
+                if progress is not None:
+                    progress(i + 1, len(buckets), buckets[i])
+        for bucket, x in zip(buckets, inputs, strict=True):
+            jax.block_until_ready(self.step(x, bucket.num_decode))
