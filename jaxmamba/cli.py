@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         "with this impl (default: XLA's dot)",
     )
     bench.set_defaults(func=cmd_bench)
+    from jaxmamba.serve.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _add_model_args, _add_engine_args)
     add_export_parsers(sub, _add_model_args, _add_engine_args)  # export, aot, convert
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,781 @@
+"""The OpenAI-compatible HTTP API on FastAPI + uvicorn.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
+`"stream": true`), `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`.
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a 4xx status for
+the client's mistakes. The engine runs in its own thread (`EngineLoop`); handlers only queue
+commands to it and await their outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxmamba.engine.outputs import Logprob, RequestOutput
+from jaxmamba.sampling_params import SamplingParams
+from jaxmamba.serve.engine_loop import Accepted, EngineLoop, EngineRequest, Failed
+from jaxmamba.serve.metrics import ServerMetrics
+from jaxmamba.serve.protocol import (
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+           "/reset_prefix_cache", "/openapi.json", "/docs")  # fmt: skip
+_OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    # Sequences (a request of n samples counts n) allowed to wait beyond the engine's
+    # max_num_seqs running ones; past that, 429.
+    max_queued_requests: int = 1024
+    max_body_bytes: int = 8 << 20
+    chat_template: str | None = None
+    retry_after_s: int = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+
+def error_response(status: int, message: str, *, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _from_api_error(err: ApiError) -> JSONResponse:
+    return error_response(err.status, err.message, type=err.type, param=err.param,
+                          code=err.code, headers=err.headers)  # fmt: skip
+
+
+# The first word of a SamplingParams error names the field ("top_p must be in (0, 1]").
+def _bad_params(err: Exception) -> ApiError:
+    message = str(err)
+    param = message.split(" ", 1)[0].split("[", 1)[0]
+    return ApiError(400, message, param=param if param.isidentifier() else None)
+
+
+class _Disconnected(Exception):
+    pass
+
+
+_DISCONNECTED = object()
+
+
+@dataclass
+class _Sequence:
+    """One choice as it accumulates."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    last_token_time: float | None = None
+
+
+class _Generation:
+    """The engine requests of one HTTP request (one per prompt), consumed in step order."""
+
+    def __init__(self, server: OpenAIServer, request: Request, prompts, params, n: int):
+        self.server, self.http_request, self.n = server, request, n
+        self.base_id = uuid.uuid4().hex
+        self.prompts = prompts  # [(text or None, ids)]
+        self.rids = [f"{self.base_id}-{i}" for i in range(len(prompts))]
+        self.index = {rid: i for i, rid in enumerate(self.rids)}
+        self.params = params
+        self.arrival = time.perf_counter()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.seqs = [[_Sequence() for _ in range(n)] for _ in prompts]
+        self.cached = [0] * len(prompts)
+        self.unfinished = set(self.rids)
+        self._seats = n * len(prompts)
+        self._watch: asyncio.Task | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        self.server.take_seats(self._seats)
+        try:
+            self.server.loop.submit(
+                [EngineRequest(rid, {"prompt": text, "prompt_token_ids": ids}, self.params)
+                 for rid, (text, ids) in zip(self.rids, self.prompts, strict=True)],
+                self.queue,
+            )  # fmt: skip
+        except RuntimeError as err:
+            self.server.give_seats(self._seats)
+            self._closed = True
+            raise ApiError(503, str(err), type="server_error", code="shutting_down") from err
+        self._watch = asyncio.create_task(self._watch_disconnect())
+        pending = set(self.rids)
+        failure = None
+        while pending:
+            item = await self.queue.get()
+            if item is _DISCONNECTED:
+                self.close()
+                raise _Disconnected
+            if isinstance(item, Accepted):
+                pending.discard(item.request_id)
+            elif isinstance(item, Failed):
+                pending.discard(item.request_id)
+                self.unfinished.discard(item.request_id)
+                failure = failure or item.error
+        if failure is not None:
+            self.close()
+            if isinstance(failure, ValueError | TypeError | NotImplementedError):
+                raise _bad_params(failure)
+            raise ApiError(500, f"the engine failed: {failure}", type="server_error")
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            message = await self.http_request.receive()
+            if message["type"] == "http.disconnect":
+                self.queue.put_nowait(_DISCONNECTED)
+                return
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) until every request is finished; each choice's `_Sequence`
+        is updated before the delta is yielded."""
+        metrics = self.server.metrics
+        while self.unfinished:
+            item = await self.queue.get()
+            if item is _DISCONNECTED:
+                self.close()
+                raise _Disconnected
+            if isinstance(item, Failed):
+                self.unfinished.discard(item.request_id)
+                self.close()
+                raise ApiError(500, f"the engine failed: {item.error}", type="server_error")
+            if not isinstance(item, RequestOutput):
+                continue
+            p = self.index[item.request_id]
+            now = time.perf_counter()
+            for c in item.outputs:
+                seq = self.seqs[p][c.index]
+                if c.token_ids:
+                    if seq.last_token_time is None:
+                        metrics.ttft.observe(now - self.arrival)
+                    else:
+                        metrics.itl.observe(now - seq.last_token_time)
+                    seq.last_token_time = now
+                    metrics.generation_tokens.inc(len(c.token_ids))
+                seq.text += c.text or ""
+                seq.token_ids.extend(c.token_ids)
+                if c.logprobs:
+                    seq.logprobs.extend(c.logprobs)
+                if c.finish_reason is not None:
+                    seq.finish_reason, seq.stop_reason = c.finish_reason, c.stop_reason
+                    metrics.finished.labels(c.finish_reason).inc()
+            self.cached[p] = item.num_cached_tokens
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+                metrics.e2e.observe(now - self.arrival)
+                metrics.prompt_tokens.inc(len(self.prompts[p][1]))
+                metrics.cached_tokens.inc(item.num_cached_tokens)
+            yield p, item
+        self.close()
+
+    def close(self) -> None:
+        """Abort what is unfinished and free this request's seats (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.unfinished:
+            with contextlib.suppress(RuntimeError):
+                self.server.loop.abort(sorted(self.unfinished))
+            self.unfinished.clear()
+        self.server.give_seats(self._seats)
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        completion = sum(len(s.token_ids) for seqs in self.seqs for s in seqs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached)},
+        }
+
+
+class OpenAIServer:
+    def __init__(self, llm, config: ServerConfig):
+        self.llm = llm
+        self.config = config
+        self.tokenizer = llm.tokenizer
+        self.engine_config = llm.engine.config
+        self.max_model_len = self.engine_config.max_model_len
+        self.vocab_size = llm.model_cfg.vocab_size
+        self._check_prompt = llm.engine.check_prompt  # pure: reads the config only
+        self.loop = EngineLoop(llm.engine)
+        self.metrics = ServerMetrics(lambda: self.loop.snapshot)
+        self.capacity = self.engine_config.max_num_seqs + config.max_queued_requests
+        self.seats_taken = 0  # touched on the event loop only
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    # -- back-pressure ------------------------------------------------------------------------
+    def take_seats(self, n: int) -> None:
+        if self.seats_taken + n > self.capacity:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise ApiError(
+                429,
+                f"the server is at capacity ({self.seats_taken} sequences running or waiting, "
+                f"limit {self.capacity} = max_num_seqs {self.engine_config.max_num_seqs} + "
+                f"max_queued_requests {self.config.max_queued_requests}); retry later",
+                type="rate_limit_error", code="rate_limit_exceeded",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )  # fmt: skip
+        self.seats_taken += n
+
+    def give_seats(self, n: int) -> None:
+        self.seats_taken -= n
+
+    # -- validation ---------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        names = self.config.served_model_names
+        if model is None:
+            return names[0]
+        if model not in names:
+            raise ApiError(404, f"The model `{model}` does not exist (this server serves "
+                           f"{list(names)})", param="model", code="model_not_found")  # fmt: skip
+        return model
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        try:
+            self._check_prompt(ids)
+        except ValueError as err:
+            code = "context_length_exceeded" if "max_model_len" in str(err) else None
+            raise ApiError(400, str(err), param=param, code=code) from None
+        if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the length of the prompt or "
+                "of max_tokens.",
+                param="max_tokens", code="context_length_exceeded",
+            )  # fmt: skip
+
+    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None):
+        if not isinstance(req.n, int) or not 1 <= req.n <= MAX_N:
+            raise ApiError(400, f"n must be an int in [1, {MAX_N}], got {req.n}", param="n")
+        if req.n > self.capacity:
+            raise ApiError(400, f"n={req.n} is more than this server holds ({self.capacity})",
+                           param="n")  # fmt: skip
+        bias = None
+        if req.logit_bias is not None:
+            bias = {}
+            for key, value in req.logit_bias.items():
+                try:
+                    token = int(key)
+                except ValueError:
+                    raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}",
+                                   param="logit_bias") from None  # fmt: skip
+                if not 0 <= token < self.vocab_size:
+                    raise ApiError(400, f"logit_bias key {token} is outside the vocab "
+                                   f"[0, {self.vocab_size})", param="logit_bias")  # fmt: skip
+                bias[token] = value
+        for t in req.stop_token_ids or ():
+            if not 0 <= t < self.vocab_size:
+                raise ApiError(400, f"stop_token_ids holds {t}, outside the vocab "
+                               f"[0, {self.vocab_size})", param="stop_token_ids")  # fmt: skip
+        if req.stop and self.tokenizer is None:
+            raise ApiError(400, "stop strings need a tokenizer and this model has none: use "
+                           "stop_token_ids", param="stop")  # fmt: skip
+        kwargs = dict(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids or (),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            logit_bias=bias,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise _bad_params(err) from None
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, f"{param} is text but this model has no tokenizer: send token "
+                           "ids", param=param)  # fmt: skip
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_text(self, token: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return f"token_id:{token}"
+
+    # -- the app ------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.loop.start()
+            try:
+                yield
+            finally:
+                await asyncio.get_running_loop().run_in_executor(None, self.loop.stop, 30.0)
+
+        app = FastAPI(title="jaxmamba OpenAI-compatible server", lifespan=lifespan,
+                      responses=_ERRORS)  # fmt: skip
+
+        @app.exception_handler(ApiError)
+        async def _api_error(request, err: ApiError):
+            return _from_api_error(err)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request, err: RequestValidationError):
+            return _validation_error(err)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request, err: StarletteHTTPException):
+            kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+            return error_response(err.status_code, str(err.detail), type=kind,
+                                  headers=getattr(err, "headers", None))  # fmt: skip
+
+        @app.exception_handler(Exception)
+        async def _internal(request, err: Exception):
+            logger.exception("unhandled error in %s", request.url.path)
+            return error_response(500, f"internal error: {type(err).__name__}: {err}",
+                                  type="server_error")  # fmt: skip
+
+        @app.get("/health")
+        async def health():
+            if not self.loop.alive:
+                return error_response(503, f"the engine loop is down: {self.loop.error}",
+                                      type="server_error")  # fmt: skip
+            return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+        @app.get("/v1/models")
+        async def models():
+            data = [{"id": name, "object": "model", "created": self.created,
+                     "owned_by": "jaxmamba", "max_model_len": self.max_model_len}
+                    for name in self.config.served_model_names]  # fmt: skip
+            return {"object": "list", "data": data}
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            def reset(engine):
+                cache = engine.scheduler.prefix_cache
+                if cache is not None:
+                    cache.reset()
+
+            await self.loop.call(reset)
+            return {"status": "ok"}
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request):
+            return await self.completions(body, request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request):
+            return await self.chat_completions(body, request)
+
+        return _Gate(app, self)
+
+    # -- /v1/completions ----------------------------------------------------------------------
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [(p, self.encode(p, "prompt"))]
+        if not p:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if isinstance(p[0], str):
+            return [(t, self.encode(t, "prompt")) for t in p]
+        if isinstance(p[0], int):
+            return [(None, list(p))]
+        return [(None, list(ids)) for ids in p]
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        model = self.check_model(req.model)
+        if req.suffix is not None:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, f"best_of must equal n (got best_of={req.best_of}, n={req.n})",
+                           param="best_of")  # fmt: skip
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo with logprobs needs prompt logprobs, not supported",
+                           param="echo")  # fmt: skip
+        prompts = self._completion_prompts(req)
+        for _, ids in prompts:
+            self.check_prompt(ids, req.max_tokens, "prompt")
+        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        gen = _Generation(self, request, prompts, params, req.n)
+        try:
+            await gen.start()
+        except _Disconnected:
+            return Response(status_code=499)
+        head = {"id": f"cmpl-{gen.base_id}", "object": "text_completion",
+                "created": int(time.time()), "model": model}  # fmt: skip
+        echo = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._stream_completion(gen, head, req, echo, include_usage))
+        try:
+            async for _ in gen.outputs():
+                pass
+        except _Disconnected:
+            return Response(status_code=499)
+        finally:
+            gen.close()
+        choices = []
+        for p, seqs in enumerate(gen.seqs):
+            for i, seq in enumerate(seqs):
+                choice = {
+                    "index": p * req.n + i, "text": echo[p] + seq.text,
+                    "logprobs": self._completion_logprobs(seq.token_ids, seq.logprobs, 0)
+                    if req.logprobs is not None else None,
+                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                }  # fmt: skip
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = gen.prompts[p][1]
+                    choice["token_ids"] = seq.token_ids
+                choices.append(choice)
+        return {**head, "choices": choices, "usage": gen.usage()}
+
+    def _echo(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def _completion_logprobs(self, token_ids, logprobs, offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token, top in zip(token_ids, logprobs, strict=True):
+            text = self.token_text(token, top.get(token))
+            tokens.append(text)
+            token_logprobs.append(top[token].logprob)
+            tops.append({self.token_text(t, lp): lp.logprob for t, lp in top.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+    async def _stream_completion(self, gen: _Generation, head, req, echo, include_usage):
+        offsets = [[len(e)] * req.n for e in echo]
+        try:
+            for p, e in enumerate(echo):
+                for i in range(req.n if e or req.return_token_ids else 0):
+                    choice = {"index": p * req.n + i, "text": e, "logprobs": None,
+                              "finish_reason": None}  # fmt: skip
+                    if req.return_token_ids:
+                        choice["prompt_token_ids"] = gen.prompts[p][1]
+                    yield _chunk(head, choice, include_usage)
+            async for p, out in gen.outputs():
+                for c in out.outputs:
+                    choice = {"index": p * req.n + c.index, "text": c.text or "",
+                              "logprobs": None, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}  # fmt: skip
+                    if req.logprobs is not None and c.logprobs:
+                        lp = self._completion_logprobs(c.token_ids, c.logprobs,
+                                                       offsets[p][c.index])  # fmt: skip
+                        choice["logprobs"] = lp
+                        offsets[p][c.index] += sum(len(t) for t in lp["tokens"])
+                    if req.return_token_ids:
+                        choice["token_ids"] = c.token_ids
+                    yield _chunk(head, choice, include_usage)
+            if include_usage:
+                yield _data({**head, "choices": [], "usage": gen.usage()})
+        except _Disconnected:
+            return
+        except ApiError as err:
+            yield _data({"error": {"message": err.message, "type": err.type, "param": None,
+                                   "code": err.code}})  # fmt: skip
+        finally:
+            gen.close()
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions -----------------------------------------------------------------
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        from jaxmamba.chat import render_chat
+
+        model = self.check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer, so no chat template: use "
+                           "/v1/completions with token ids", param="messages")  # fmt: skip
+        template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if template is None:
+            raise ApiError(400, "this model's tokenizer has no chat template: start the server "
+                           "with --chat-template", param="messages")  # fmt: skip
+        try:
+            text = render_chat(
+                self.tokenizer, [m.for_template() for m in req.messages], chat_template=template,
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )  # fmt: skip
+        except Exception as err:  # a template's raise_exception, or a field it cannot render
+            raise ApiError(400, f"the chat template could not render these messages: "
+                           f"{type(err).__name__}: {err}", param="messages") from None  # fmt: skip
+        # The template writes the special tokens itself (as in LLM.chat).
+        ids = self.encode(text, "messages", add_special_tokens=False)
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        self.check_prompt(ids, max_tokens, "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise ApiError(400, f"top_logprobs must be an int in [0, 20], got {logprobs}",
+                           param="top_logprobs")  # fmt: skip
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        gen = _Generation(self, request, [(text, ids)], params, req.n)
+        try:
+            await gen.start()
+        except _Disconnected:
+            return Response(status_code=499)
+        head = {"id": f"chatcmpl-{gen.base_id}", "object": "chat.completion",
+                "created": int(time.time()), "model": model}  # fmt: skip
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            head["object"] = "chat.completion.chunk"
+            return _sse(self._stream_chat(gen, head, req, logprobs, include_usage))
+        try:
+            async for _ in gen.outputs():
+                pass
+        except _Disconnected:
+            return Response(status_code=499)
+        finally:
+            gen.close()
+        choices = []
+        for i, seq in enumerate(gen.seqs[0]):
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": seq.text},
+                "logprobs": self._chat_logprobs(seq.token_ids, seq.logprobs, logprobs)
+                if logprobs is not None else None,
+                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+            }  # fmt: skip
+            if req.return_token_ids:
+                choice["token_ids"] = seq.token_ids
+            choices.append(choice)
+        out = {**head, "choices": choices, "usage": gen.usage()}
+        if req.return_token_ids:
+            out["prompt_token_ids"] = ids
+        return out
+
+    def _chat_logprobs(self, token_ids, logprobs, k: int) -> dict[str, Any]:
+        content = []
+        for token, top in zip(token_ids, logprobs, strict=True):
+            text = self.token_text(token, top.get(token))
+            ranked = sorted((lp.rank, t, lp) for t, lp in top.items() if lp.rank and lp.rank <= k)
+            content.append({
+                "token": text, "logprob": top[token].logprob, "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (s := self.token_text(t, lp)), "logprob": lp.logprob,
+                     "bytes": list(s.encode())} for _, t, lp in ranked
+                ],
+            })  # fmt: skip
+        return {"content": content}
+
+    async def _stream_chat(self, gen: _Generation, head, req, logprobs, include_usage):
+        try:
+            for i in range(req.n):
+                choice = {"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}  # fmt: skip
+                yield _chunk(head, choice, include_usage)
+            async for _, out in gen.outputs():
+                for c in out.outputs:
+                    choice = {"index": c.index, "delta": {"content": c.text or ""},
+                              "logprobs": None, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}  # fmt: skip
+                    if logprobs is not None and c.logprobs:
+                        choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, logprobs)
+                    if req.return_token_ids:
+                        choice["token_ids"] = c.token_ids
+                    yield _chunk(head, choice, include_usage)
+            if include_usage:
+                yield _data({**head, "choices": [], "usage": gen.usage()})
+        except _Disconnected:
+            return
+        except ApiError as err:
+            yield _data({"error": {"message": err.message, "type": err.type, "param": None,
+                                   "code": err.code}})  # fmt: skip
+        finally:
+            gen.close()
+        yield "data: [DONE]\n\n"
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _chunk(head, choice, include_usage: bool) -> str:
+    obj = {**head, "choices": [choice]}
+    if include_usage:
+        obj["usage"] = None
+    return _data(obj)
+
+
+def _sse(chunks) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+def _validation_error(err: RequestValidationError) -> JSONResponse:
+    errors = err.errors()
+    first = errors[0] if errors else {}
+    # Union members add their type to the location ("content.str"): keep the field path only.
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_tag(x)]
+    kind = first.get("type", "")
+    param = next((x for x in reversed(loc) if not x.isdigit()), None)
+    if kind == "json_invalid":
+        ctx = first.get("ctx", {}) or {}
+        message = f"the body is not valid JSON: {ctx.get('error', first.get('msg', ''))}"
+        param = None
+    elif kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {'.'.join(loc)}"
+    elif kind == "missing":
+        message = f"Missing required parameter: {'.'.join(loc) or 'body'}"
+    elif not loc:
+        message = f"the body must be a JSON object: {first.get('msg', '')}"
+    else:
+        got = first.get("input")
+        shown = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
+        message = f"{'.'.join(loc)}: {first.get('msg', 'invalid')} (got {shown})"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})"
+    return error_response(400, message, param=param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _is_type_tag(x) -> bool:
+    return isinstance(x, str) and ("[" in x or x in _TYPE_TAGS or x.startswith("function-"))
+
+
+def _jsonable(x) -> bool:
+    try:
+        json.dumps(x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class _Gate:
+    """ASGI middleware in front of the app: the API key, the body-size limit (the body is read
+    here, up to the limit, and replayed to the app), and the request counter by status."""
+
+    def __init__(self, app: FastAPI, server: OpenAIServer):
+        self.app, self.server = app, server
+        self.openapi = app.openapi  # what tests and fuzzers read
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in _ROUTES else "other"
+        status = [500]
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            key = self.server.config.api_key
+            if key is not None and path not in _OPEN_ROUTES and not self._authorized(scope, key):
+                return await error_response(
+                    401, "Incorrect or missing API key: send the header 'Authorization: Bearer "
+                    "<key>'", type="authentication_error", code="invalid_api_key",
+                )(scope, receive, counting_send)  # fmt: skip
+            limit = self.server.config.max_body_bytes
+            too_big = error_response(
+                413, f"the request body is larger than this server's limit of {limit} bytes",
+                code="request_too_large", headers={"Connection": "close"},
+            )  # fmt: skip
+            declared = dict(scope.get("headers") or ()).get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                return await too_big(scope, receive, counting_send)
+            body, more = [], True
+            size = 0
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    return await too_big(scope, receive, counting_send)
+                body.append(chunk)
+                more = message.get("more_body", False)
+            replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
+
+            async def replay_receive():
+                return replay.pop() if replay else await receive()
+
+            await self.app(scope, replay_receive, counting_send)
+        finally:
+            self.server.metrics.http_requests.labels(route, str(status[0])).inc()
+
+    @staticmethod
+    def _authorized(scope, key: str) -> bool:
+        header = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
+
+
+def run_server(llm, config: ServerConfig, *, host: str, port: int, grace_s: int = 30,
+               log_level: str = "info") -> int:  # fmt: skip
+    """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish for up to
+    `grace_s` seconds, cancel the rest (their sequences are aborted), and return 0."""
+    import uvicorn
+
+    server = OpenAIServer(llm, config)
+    uv = uvicorn.Server(uvicorn.Config(
+        server.app, host=host, port=port, log_level=log_level, access_log=False,
+        timeout_graceful_shutdown=grace_s, lifespan="on",
+    ))  # fmt: skip
+    # uvicorn re-raises the signal it caught once it has shut down; with the default handler
+    # SIGTERM would then kill the process (exit -15) after a clean shutdown.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uv.run()
+    return 0 if uv.started else 1
