@@ -194,10 +194,10 @@ def test_mamba2_config_is_parsed():
 @pytest.mark.parametrize(
     "config, message",
     [
-        (_nemotron_hf(hybrid_override_pattern="M*E-"), r"hybrid_override_pattern\[2\]='E'.*MoE"),
+        (_nemotron_hf(hybrid_override_pattern="M*E-", moe_latent_size=8), "moe_latent_size=8"),
         (
-            _nemotron_hf(layers_block_type=["linear_attention", "moe"]),
-            r"layers_block_type\[1\]='moe'.*MoE",
+            _nemotron_hf(hybrid_override_pattern="M*E-", n_routed_experts=6, n_group=4),
+            "moe_num_groups=4",
         ),
         (_nemotron_hf(hybrid_override_pattern="M?"), r"hybrid_override_pattern\[1\]='\?'"),
         ({**_mamba2_hf(), "model_type": "jamba"}, "model_type 'jamba'"),

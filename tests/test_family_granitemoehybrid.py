@@ -4,13 +4,13 @@ weights, µP multipliers away from 1, MoE and dense, RoPE and none; fp32 (bf16 o
 from __future__ import annotations
 
 import pytest
-
 from family_checks import (
     check_bf16_prefill_logits,
     check_generation,
     check_prefill_logits,
     perturb,
 )
+
 from jaxmamba import ModelConfig
 
 

@@ -1,5 +1,10 @@
 """NVIDIA Nemotron-H (`nemotron_h`): Mamba2, attention (GQA, no RoPE), relu² MLP and MoE layers,
-one mixer per residual block (`x + mixer(norm(x))`). HF: `NemotronHForCausalLM`."""
+one mixer per residual block (`x + mixer(norm(x))`). HF: `NemotronHForCausalLM`.
+
+MoE layers (`E`, Nemotron 3 Nano): relu² experts (no gate) and one relu² shared expert; the
+router is float32 — sigmoid scores, `e_score_correction_bias` for the choice only,
+group-limited top-k (`n_group`, `topk_group`), optional renormalisation, times
+`routed_scaling_factor` (`NemotronHTopkRouter`)."""
 
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ _LAYER_TYPE_ALIASES = {
     "*": "attention",
     "mlp": "mlp",
     "-": "mlp",
+    "moe": "moe",
+    "E": "moe",
 }
-_MOE_LAYER_TYPES = ("moe", "E")
 _HF_LAYER_NAMES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
 
 
@@ -38,10 +44,6 @@ def _layer_types(config: dict) -> tuple[str, ...]:
         )
     out = []
     for i, t in enumerate(raw):
-        if t in _MOE_LAYER_TYPES:
-            raise ValueError(
-                f"HF config {field}[{i}]={t!r}: MoE layers are not supported (dense models only)"
-            )
         if t not in _LAYER_TYPE_ALIASES:
             raise ValueError(f"HF config {field}[{i}]={t!r} is not a known layer type")
         out.append(_LAYER_TYPE_ALIASES[t])
@@ -67,6 +69,23 @@ def from_hf(c: dict, name: str) -> ModelConfig:
     # the main model only, so they are ignored here and skipped by the loader.
     num_heads = c.get("num_attention_heads", 32)
     hidden = c.get("hidden_size", 4096)
+    moe = {}
+    if "moe" in layer_types:
+        if c.get("moe_latent_size") is not None:
+            raise ValueError(
+                f"HF config moe_latent_size={c['moe_latent_size']!r} is unsupported: only null"
+            )
+        moe = dict(
+            num_experts=get(c, "n_routed_experts", "num_local_experts", default=8),
+            num_experts_per_tok=c.get("num_experts_per_tok", 2),
+            moe_intermediate_size=c.get("moe_intermediate_size", 7688),
+            moe_shared_intermediate_size=c.get("moe_shared_expert_intermediate_size", 7688),
+            moe_router="sigmoid_grouped",
+            moe_num_groups=c.get("n_group", 1),
+            moe_topk_groups=c.get("topk_group", 1),
+            moe_norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+            moe_routed_scaling=common.as_float(c.get("routed_scaling_factor", 1.0)),
+        )
     return ModelConfig(
         model_type="nemotron_h",
         vocab_size=c.get("vocab_size", 131072),
@@ -100,6 +119,7 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         eos_token_id=token_id(c, "eos_token_id", 2),
         pad_token_id=token_id(c, "pad_token_id", 0),
         name=name,
+        **moe,
     )
 
 
@@ -165,10 +185,29 @@ def param_map(cfg: ModelConfig) -> list[common.Entry]:
             plan += common.mamba_mixer(m, hm, cfg)
         elif kind == "attention":
             plan += common.attention(m, hm, cfg)
+        elif kind == "moe":
+            plan += _moe(m, hm, cfg)
         else:
             plan += common.relu2_mlp(m, hm, E, cfg.intermediate_size, cfg.mlp_bias)
     plan.append(common.norm(("norm_f",), "norm_f", E))
     return plan + common.lm_head(cfg)
+
+
+def _moe(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> list[common.Entry]:
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    # Checkpoints keep one tensor per expert; we stack them [X, ...].
+    up = tuple(f"{hm}.experts.{j}.up_proj.weight" for j in range(X))
+    down = tuple(f"{hm}.experts.{j}.down_proj.weight" for j in range(X))
+    return [
+        common.Entry((*m, "router"), f"{hm}.gate.weight", (X, E), common.transpose, None, True),
+        common.vector((*m, "router_bias"), f"{hm}.gate.e_score_correction_bias", X, fp32=True),
+        common.Entry((*m, "experts_up"), up, (F, E), common.swap_last, None, False),
+        common.Entry((*m, "experts_down"), down, (E, F), common.swap_last, None, False),
+        *common.relu2_mlp(
+            (*m, "shared_expert"), f"{hm}.shared_experts", E, cfg.moe_shared_intermediate_size,
+            cfg.mlp_bias,
+        ),
+    ]  # fmt: skip
 
 
 FAMILY = Family(
