@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
            "/reset_prefix_cache", "/openapi.json", "/docs")  # fmt: skip
 _OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")
+SWITCH_INTERVAL_S = 0.0005
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -353,6 +355,10 @@ class OpenAIServer:
     def _build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app):
+            # The engine thread must get the GIL back quickly when a step's device work ends,
+            # while this thread serializes chunks: Python's default switch interval (5 ms) is
+            # a decode step's length.
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
             self.loop.start()
             try:
                 yield
@@ -498,6 +504,7 @@ class OpenAIServer:
                 "text_offset": offsets}  # fmt: skip
 
     async def _stream_completion(self, gen: _Generation, head, req, echo, include_usage):
+        chunk = _Chunks(head, include_usage)
         offsets = [[len(e)] * req.n for e in echo]
         try:
             for p, e in enumerate(echo):
@@ -506,7 +513,7 @@ class OpenAIServer:
                               "finish_reason": None}  # fmt: skip
                     if req.return_token_ids:
                         choice["prompt_token_ids"] = gen.prompts[p][1]
-                    yield _chunk(head, choice, include_usage)
+                    yield chunk(choice)
             async for p, out in gen.outputs():
                 for c in out.outputs:
                     choice = {"index": p * req.n + c.index, "text": c.text or "",
@@ -519,7 +526,7 @@ class OpenAIServer:
                         offsets[p][c.index] += sum(len(t) for t in lp["tokens"])
                     if req.return_token_ids:
                         choice["token_ids"] = c.token_ids
-                    yield _chunk(head, choice, include_usage)
+                    yield chunk(choice)
             if include_usage:
                 yield _data({**head, "choices": [], "usage": gen.usage()})
         except _Disconnected:
@@ -615,11 +622,12 @@ class OpenAIServer:
         return {"content": content}
 
     async def _stream_chat(self, gen: _Generation, head, req, logprobs, include_usage):
+        chunk = _Chunks(head, include_usage)
         try:
             for i in range(req.n):
                 choice = {"index": i, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}  # fmt: skip
-                yield _chunk(head, choice, include_usage)
+                yield chunk(choice)
             async for _, out in gen.outputs():
                 for c in out.outputs:
                     choice = {"index": c.index, "delta": {"content": c.text or ""},
@@ -629,7 +637,7 @@ class OpenAIServer:
                         choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, logprobs)
                     if req.return_token_ids:
                         choice["token_ids"] = c.token_ids
-                    yield _chunk(head, choice, include_usage)
+                    yield chunk(choice)
             if include_usage:
                 yield _data({**head, "choices": [], "usage": gen.usage()})
         except _Disconnected:
@@ -646,11 +654,21 @@ def _data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _chunk(head, choice, include_usage: bool) -> str:
-    obj = {**head, "choices": [choice]}
-    if include_usage:
-        obj["usage"] = None
-    return _data(obj)
+class _Chunks:
+    """SSE chunks of one response: the constant head is serialized once, each chunk only
+    serializes its choice (this runs once per token per stream)."""
+
+    def __init__(self, head: dict, include_usage: bool):
+        self.prefix = "data: " + json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1]
+        self.prefix += ',"choices":['
+        self.suffix = '],"usage":null}\n\n' if include_usage else "]}\n\n"
+
+    def __call__(self, choice: dict) -> str:
+        return (
+            self.prefix
+            + json.dumps(choice, ensure_ascii=False, separators=(",", ":"))
+            + (self.suffix)
+        )
 
 
 def _sse(chunks) -> StreamingResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -89,6 +90,12 @@ class EngineLoop:
         future = loop.create_future()
         self._push(("call", fn, loop, future))
         return future
+
+    def call_blocking(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        """`call` for a thread without an event loop: waits for and returns `fn(engine)`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._push(("call", fn, None, future))
+        return future.result(timeout)
 
     def stop(self, timeout: float | None = None) -> None:
         """Abort everything still running (each gets `Failed`) and end the thread."""
@@ -176,7 +183,13 @@ class EngineLoop:
             except Exception as err:
                 result, error = None, err
             self._snapshot()
-            loop.call_soon_threadsafe(_resolve, future, result, error)
+            if loop is None:  # a concurrent.futures.Future (call_blocking)
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+            else:
+                loop.call_soon_threadsafe(_resolve, future, result, error)
 
     def _route(self, output: RequestOutput, out) -> None:
         sink = self._sinks.get(output.request_id)
