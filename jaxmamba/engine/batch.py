@@ -6,12 +6,12 @@ Validation happens here, in numpy, before anything is dispatched: a malformed st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, StepInputs
+from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, MAX_PREFILL_CHECKPOINTS, StepInputs
 from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 
@@ -25,8 +25,11 @@ class RowSpec:
     pages: list[int]
     init_slot: int | None = None  # defaults to state_slot; a prefix-cache hit reads elsewhere
     token_from_device: bool = False  # a decode row fed the token its previous step sampled
-    track_slot: int | None = None
+    track_slot: int | None = None  # one checkpoint: the state after `track_len` tokens
     track_len: int = 0
+    # More checkpoints, (slot, length) each; with `track_slot` at most MAX_PREFILL_CHECKPOINTS
+    # in all (a decode row: one, at its new length).
+    tracks: list[tuple[int, int]] = field(default_factory=list)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -39,10 +42,18 @@ class RowSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # prompt_logprobs: the prompt token after each of `tokens` (shorter at the prompt's end)
+    prompt_logprob_targets: list[int] | None = None
 
     @property
     def seq_len(self) -> int:
         return self.prefix_len + len(self.tokens)
+
+    @property
+    def checkpoints(self) -> list[tuple[int, int]]:
+        """Every (slot, length) this row checkpoints this step."""
+        first = [] if self.track_slot is None else [(self.track_slot, self.track_len)]
+        return first + list(self.tracks)
 
 
 @dataclass(frozen=True)
@@ -105,8 +116,8 @@ class StepBuilder:
         state_slots = np.full(B, pad_slot, np.int32)
         init_slots = np.full(B, pad_slot, np.int32)
         has_init = np.zeros(B, bool)
-        track_slots = np.full(B, pad_slot, np.int32)
-        track_lens = np.zeros(B, np.int32)
+        track_slots = np.full((B, MAX_PREFILL_CHECKPOINTS), pad_slot, np.int32)
+        track_lens = np.zeros((B, MAX_PREFILL_CHECKPOINTS), np.int32)
         page_table = np.full((B, self.max_pages_per_seq), pad_page, np.int32)
         temperature = np.zeros(B, np.float32)
         top_p = np.ones(B, np.float32)
@@ -122,19 +133,22 @@ class StepBuilder:
         frequency = np.zeros(B, np.float32)
         repetition = np.ones(B, np.float32)
         penalty_reset = np.zeros(B, bool)
+        prompt_targets = np.full(T, -1, np.int32)
         offset = 0
         for r, row in enumerate(rows):
             n = len(row.tokens)
             input_ids[offset : offset + n] = row.tokens
+            if row.prompt_logprob_targets:
+                targets = row.prompt_logprob_targets[:n]
+                prompt_targets[offset : offset + len(targets)] = targets
             offset += n
             prefix_lens[r] = row.prefix_len
             from_device[r] = row.token_from_device
             state_slots[r] = row.state_slot
             init_slots[r] = row.state_slot if row.init_slot is None else row.init_slot
             has_init[r] = row.prefix_len > 0 and row.state_slot != pad_slot
-            if row.track_slot is not None:
-                track_slots[r] = row.track_slot
-                track_lens[r] = row.track_len
+            for k, (slot, length) in enumerate(row.checkpoints):
+                track_slots[r, k], track_lens[r, k] = slot, length
             page_table[r, : len(row.pages)] = row.pages
             temperature[r] = row.temperature
             top_p[r] = row.top_p
@@ -160,7 +174,7 @@ class StepBuilder:
             input_ids, from_device, qsl, prefix_lens, state_slots, init_slots, has_init,
             track_slots, track_lens, page_table, temperature, top_p, top_k, seeds, counters,
             min_p, min_tokens, stop_ids, bias_ids, bias_values, presence, frequency, repetition,
-            penalty_reset,
+            penalty_reset, prompt_targets,
         )  # fmt: skip
 
     def padding(self, bucket: Bucket) -> StepInputs:
@@ -177,7 +191,7 @@ class StepBuilder:
         if nd:
             if nd == bucket.num_rows and bucket.num_tokens != nd:
                 raise ValueError(f"a pure decode bucket needs num_tokens == num_rows, got {bucket}")
-        decode_checkpoints = sum(row.track_slot is not None for row in rows[:nd])
+        decode_checkpoints = sum(len(row.checkpoints) for row in rows[:nd])
         if decode_checkpoints > MAX_DECODE_CHECKPOINTS:
             raise ValueError(
                 f"{decode_checkpoints} decode rows checkpoint in one step, at most "
@@ -210,16 +224,27 @@ class StepBuilder:
                 raise ValueError(
                     f"row {r}: length {row.seq_len} needs {need} pages, has {len(row.pages)}"
                 )
-            if row.track_slot is not None:
-                lo, hi = row.prefix_len, row.seq_len
-                aligned = row.track_len % self.chunk_size == 0 or row.track_len == hi
-                if not (lo < row.track_len <= hi and aligned):
-                    raise ValueError(
-                        f"row {r}: track_len {row.track_len} must be in ({lo}, {hi}] and a "
-                        f"multiple of chunk_size {self.chunk_size} (or the row's end)"
-                    )
-                if r < nd and row.track_len != hi:
-                    raise ValueError(f"decode row {r}: track_len must equal its length {hi}")
+            self._validate_checkpoints(r, row, decode=r < nd)
+
+    def _validate_checkpoints(self, r: int, row: RowSpec, *, decode: bool) -> None:
+        checkpoints = row.checkpoints
+        limit = 1 if decode else MAX_PREFILL_CHECKPOINTS
+        if len(checkpoints) > limit:
+            raise ValueError(f"row {r} has {len(checkpoints)} checkpoints, at most {limit}")
+        slots = [slot for slot, _ in checkpoints]
+        if len(set(slots)) != len(slots) or row.state_slot in slots:
+            raise ValueError(f"row {r}: checkpoint slots {slots} must be distinct from each "
+                             f"other and from its state slot {row.state_slot}")  # fmt: skip
+        lo, hi = row.prefix_len, row.seq_len
+        for _, length in checkpoints:
+            aligned = length % self.chunk_size == 0 or length == hi
+            if not (lo < length <= hi and aligned):
+                raise ValueError(
+                    f"row {r}: track_len {length} must be in ({lo}, {hi}] and a "
+                    f"multiple of chunk_size {self.chunk_size} (or the row's end)"
+                )
+            if decode and length != hi:
+                raise ValueError(f"decode row {r}: track_len must equal its length {hi}")
 
     def _validate_sampling(self, r: int, row: RowSpec) -> None:
         stop_ids = row.stop_ids if row.min_tokens > 0 else ()

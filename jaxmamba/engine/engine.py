@@ -14,6 +14,7 @@ every slot, page, queue and counter back, and the step can be retried.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import sys
 import time
@@ -29,9 +30,11 @@ from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.detokenizer import IncrementalDetokenizer
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.engine.request import Request
-from jaxmamba.engine.runner import ModelRunner, unpack_sample_output
+from jaxmamba.engine.runner import ModelRunner, unpack_prompt_logprobs, unpack_sample_output
 from jaxmamba.engine.scheduler import ScheduledStep, Scheduler
 from jaxmamba.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +64,9 @@ class RequestGroup:
     prompt_token_ids: list[int]
     seqs: list[Request]
     detokenizers: list[IncrementalDetokenizer | None]
+    # prompt_logprobs so far (None for the first prompt token), handed out with the first
+    # output; None when not asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +98,11 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(model_cfg, config)
+        split = self.scheduler.pool_split()
+        logger.info(
+            "state slots: %d (%d for running requests, %d for prefix-cache checkpoints)",
+            split["state_slots"], split["state_slots_running"], split["state_slots_checkpoints"],
+        )  # fmt: skip
         self.builder = StepBuilder(
             runner.cache_spec, config.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size
         )
@@ -132,7 +143,10 @@ class LLMEngine:
             for i in range(params.n)
         ]
         detokenizers = [self._detokenizer(params) for _ in seqs]
-        self._groups[request_id] = RequestGroup(request_id, text, list(ids), seqs, detokenizers)
+        group = RequestGroup(request_id, text, list(ids), seqs, detokenizers)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self._groups[request_id] = group
         self.scheduler.waiting.extend(seqs)
 
     def abort_request(self, request_id: str) -> None:
@@ -250,19 +264,27 @@ class LLMEngine:
         st.step_kinds[kind] += 1
 
     def _postprocess(self, step: ScheduledStep, packed: jax.Array) -> list[RequestOutput]:
-        sampled = unpack_sample_output(jax.device_get(packed))  # the one read per step
+        host = jax.device_get(packed)  # the one read per step
+        sampled = unpack_sample_output(host)
+        scored = unpack_prompt_logprobs(host, step.bucket.num_rows)  # prompt tokens, if any
+        prompt_offset = 0  # of the row's first token among the step's prefill tokens
         self.stats.device_reads += 1
         now = time.perf_counter()
         deltas: dict[str, list[CompletionOutput]] = {}
         for i, row in enumerate(step.rows):
             req = row.request
-            track_slot = row.spec.track_slot if row.track_len else None
+            for slot, length in row.checkpoints:
+                if req.finished:
+                    self.scheduler.drop_checkpoint(req, slot)
+                else:
+                    self.scheduler.record_checkpoint(req, length, slot)
+            if i >= step.num_decode_rows:
+                if row.spec.prompt_logprob_targets and scored is not None and not req.finished:
+                    self._prompt_logprobs(req, row.spec.prompt_logprob_targets, scored,
+                                          prompt_offset)  # fmt: skip
+                prompt_offset += len(row.spec.tokens)
             if req.finished:
-                if track_slot is not None:
-                    self.scheduler.slots.free([track_slot])
                 continue
-            if track_slot is not None:
-                self.scheduler.record_checkpoint(req, row.track_len, track_slot)
             if not row.samples:
                 continue
             i = step.output_row(i)
@@ -291,8 +313,10 @@ class LLMEngine:
                     finished=group.finished,
                     num_cached_tokens=group.seqs[0].num_cached_tokens,
                     metrics=group.metrics(),
+                    prompt_logprobs=group.prompt_logprobs,
                 )
             )
+            group.prompt_logprobs = None  # complete with the first output, handed out once
         return outputs
 
     def _advance(self, req: Request, token: int, top, now: float) -> CompletionOutput:
@@ -322,14 +346,24 @@ class LLMEngine:
         )
 
     def _logprobs(self, sampled, i: int, token: int, logprob: float, k: int) -> dict:
-        """vLLM's layout: the sampled token first, then the top-k (rank 1 = most likely)."""
+        """vLLM's layout: the sampled (or prompt) token first, then the top-k (rank 1 = most
+        likely); a token in both keeps its place and takes its top-k rank, as vLLM's dict
+        does. decoded_token: each token decoded alone with the tokenizer's default
+        skip_special_tokens=False (vLLM's convert_ids_list_to_tokens), so specials show."""
         decode = self._token_text
         ids, values = sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist()
         top = {token: Logprob(logprob, int(sampled.ranks[i]), decode(token))}
         for rank, (t, v) in enumerate(zip(ids, values, strict=True), start=1):
-            if t not in top:
-                top[t] = Logprob(v, rank, decode(t))
+            top[t] = Logprob(v, rank, top[t].decoded_token if t in top else decode(t))
         return top
+
+    def _prompt_logprobs(self, req: Request, targets: list[int], scored, offset: int) -> None:
+        """Add the prompt logprobs of a prefill chunk's tokens (device rows from `offset`)."""
+        logprobs = self._groups[req.request_id].prompt_logprobs
+        k = req.params.prompt_logprobs
+        for j, target in enumerate(targets):
+            r = offset + j
+            logprobs.append(self._logprobs(scored, r, target, float(scored.logprobs[r]), k))
 
     def _token_text(self, token: int) -> str | None:
         if self.tokenizer is None:
@@ -355,8 +389,8 @@ class LLMEngine:
         if self._inflight is not None:
             jax.block_until_ready(self._inflight[1])
             for row in self._inflight[0].rows:
-                if row.track_len and row.spec.track_slot is not None:
-                    self.scheduler.slots.free([row.spec.track_slot])
+                for slot, _ in row.checkpoints:
+                    self.scheduler.drop_checkpoint(row.request, slot)
             self._inflight = None
         for req in list(self.scheduler.running):
             req.finish_reason = req.finish_reason or "abort"
@@ -380,9 +414,13 @@ class LLMEngine:
             "free_pages": s.pages.num_free,
             **{f"{k}_steps": v for k, v in st.step_kinds.items()},
         }
+        out.update(self.scheduler.pool_split())
         if cache is not None:
             out["prefix_cache_nodes"] = cache.num_nodes
             out["prefix_cache_hit_rate"] = cache.hit_tokens / max(cache.query_tokens, 1)
+            out["prefix_cache_checkpoint_slots_in_use"] = cache.num_checkpoints
+            out["prefix_cache_held_requests"] = s.held_admissions
+            out.update({f"prefix_cache_{k}": v for k, v in cache.stats.items()})
         return out
 
 

@@ -37,6 +37,8 @@ class Request:
     owned_pages: set[int] = field(default_factory=set)  # pages freed when the request ends
     node_refs: list = field(default_factory=list)  # prefix-cache nodes it holds
     cached_len: int = 0  # length of the deepest prefix it has in the cache tree
+    branch_len: int = 0  # > 0: its prefill also checkpoints here (where prompts branch)
+    was_held: bool = False  # it waited for another request's branch checkpoint
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -4,7 +4,15 @@ Host bookkeeping only. Each step carries every decoding request (one token each,
 read on device from the previous step's sample) plus prefill chunks of at most
 `max_num_batched_tokens` tokens in all, so a step can mix decode rows and prefill chunks.
 Admission reserves a state slot and every KV page the request can need, so a running request
-never waits for memory; the prefix cache is evicted (LRU) when the pools run short.
+never waits for memory; the prefix cache is evicted (cost-aware, see prefix_cache.py) when the
+pools run short.
+
+Prefix sharing (docs/prefix_cache.md): a prefill chunk checkpoints at its last block boundary
+and, when the request's prompt branches off a prefix that others share, at the branch point.
+A branch point is known either from the tree (KV cached deeper than any state on the path) or
+from the waiting queue (prompts that arrive together): then the first of them is admitted as
+the *leader* and checkpoints there, and the others wait until that checkpoint is in the tree,
+so they resume from it instead of computing the shared prefix again.
 
 `transaction()` wraps scheduling a step and dispatching it: every change made inside (queues,
 request counters, slots, pages, prefix-cache references and evictions) is undone if it raises.
@@ -15,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.allocator import BlockAllocator, UndoLog
@@ -23,7 +31,7 @@ from jaxmamba.engine.batch import Bucket, RowSpec, pow2_buckets, smallest_fittin
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.prefix_cache import PrefixCache
 from jaxmamba.engine.request import Request
-from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS
+from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, MAX_PREFILL_CHECKPOINTS
 
 
 @dataclass
@@ -31,7 +39,8 @@ class ScheduledRow:
     request: Request
     spec: RowSpec
     samples: bool  # the row's sample is the request's next output token
-    track_len: int = 0  # > 0: the step writes a state checkpoint at this length
+    # (slot, length): the step writes the state after `length` tokens into `slot`
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,8 +79,13 @@ class Scheduler:
         self.prefix_cache = None
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(
-                self.block_size, config.page_size, self.slots, self.pages
-            )
+                self.block_size, config.page_size, self.slots, self.pages,
+                slot_cost=slot_cost_in_pages(model_cfg, config.page_size),
+            )  # fmt: skip
+        # Leaders' planned branch checkpoints: id(leader) -> (leader, length, prefix tokens).
+        # Waiting requests with that prefix are held until the checkpoint is in the tree.
+        self.pending_branches: dict[int, tuple[Request, int, tuple[int, ...]]] = {}
+        self.held_admissions = 0  # admissions that were held back for a leader's checkpoint
         self.decode_buckets = pow2_buckets(config.max_num_seqs)
         # Prefill rows are not bucketed: every prefill/mixed step has `max_prefill_rows` of
         # them (empty ones cost a few padding chunks), which keeps the bucket count linear.
@@ -104,7 +118,8 @@ class Scheduler:
         self.undo.commit()
 
     _REQUEST_FIELDS = ("num_computed", "num_scheduled_outputs", "num_cached_tokens", "slot",
-                       "init_slot", "pages", "owned_pages", "node_refs", "cached_len")  # fmt: skip
+                       "init_slot", "pages", "owned_pages", "node_refs", "cached_len",
+                       "branch_len", "was_held")  # fmt: skip
 
     def _save(self, req: Request) -> None:
         """Register how to restore `req`'s scheduling fields (once per transaction)."""
@@ -113,6 +128,14 @@ class Scheduler:
         self._saved.add(id(req))
         before = {name: getattr(req, name) for name in self._REQUEST_FIELDS}
         self.undo.push(lambda: req.__dict__.update(before))
+
+    def pool_split(self) -> dict[str, int]:
+        """How the state-slot pool divides: `max_num_seqs` slots for running requests, the
+        rest (`EngineConfig.state_slots - max_num_seqs`) for prefix-cache checkpoints."""
+        total, running = self.config.state_slots, self.config.max_num_seqs
+        checkpoint = total - running if self.prefix_cache is not None else 0
+        return {"state_slots": total, "state_slots_running": running,
+                "state_slots_checkpoints": checkpoint}  # fmt: skip
 
     # -- resources ----------------------------------------------------------------------------
     def _take(self, allocator: BlockAllocator, n: int, *, slots: bool) -> list[int] | None:
@@ -129,10 +152,12 @@ class Scheduler:
         self._save(req)
         cache, page_size = self.prefix_cache, self.config.page_size
         match = None
-        # The repetition penalty needs every prompt token fed (a hit's are never fed).
-        if cache is not None and req.params.repetition_penalty == 1.0:
+        # The repetition penalty needs every prompt token fed (a hit's are never fed), and
+        # prompt_logprobs every prompt token computed (vLLM V1 skips the cache for them too).
+        p = req.params
+        if cache is not None and p.repetition_penalty == 1.0 and p.prompt_logprobs is None:
             match = cache.match(req.prompt_token_ids, req.prompt_len - 1)
-            cache.acquire(match.path)  # pin before evicting for this request's own needs
+            cache.hit(match.path)  # pin before evicting for this request's own needs
         shared = match.pages if match else []
         total = -(-req.max_total_len(self.config.max_model_len) // page_size)
         slot = self._take(self.slots, 1, slots=True)
@@ -152,10 +177,66 @@ class Scheduler:
             req.init_slot = match.slot
         elif match:
             cache.release(match.path)
+        if match:
+            self._plan_branch(req, match)
         return True
+
+    def _plan_branch(self, req: Request, match) -> None:
+        """Choose where besides its chunk ends `req` checkpoints: the deepest block boundary
+        its prompt shares with waiting prompts (it leads them: they wait for it), else the
+        deepest one the tree has KV for below its state; and count the lookup."""
+        peers = self._peer_branch(req, match.length)
+        if peers:
+            req.branch_len = peers
+            key = id(req)
+            self.pending_branches[key] = (req, peers, tuple(req.prompt_token_ids[:peers]))
+            self.undo.push(lambda: self.pending_branches.pop(key, None))
+        elif match.kv_length > match.length:
+            req.branch_len = match.kv_length
+        partial = match.kv_length > match.length
+        self.prefix_cache.count(
+            lookups=1,
+            hits=match.length > 0,
+            partial_hits=partial,
+            hit_tokens=match.length,
+            query_tokens=req.prompt_len - 1,
+            recomputed_tokens=match.kv_length - match.length if partial else 0,
+        )
+
+    def _peer_branch(self, req: Request, resume: int) -> int:
+        """The block boundary deeper than `resume` that `req` shares with the most waiting
+        prompt tokens (length x prompts sharing it), or 0."""
+        if req.params.repetition_penalty != 1.0:
+            return 0
+        b, mine = self.block_size, req.prompt_token_ids[: req.prompt_len - 1]
+        shared = []
+        for other in self.waiting:
+            if other is req or other.params.repetition_penalty != 1.0:
+                continue
+            theirs = other.prompt_token_ids[: other.prompt_len - 1]
+            n = aligned_common_prefix(mine, theirs, b, resume)
+            if n > resume:
+                shared.append(n)
+        if not shared:
+            return 0
+        return max(set(shared), key=lambda d: (d * sum(s >= d for s in shared), d))
+
+    def _held(self, req: Request) -> bool:
+        """A leader is about to checkpoint a prefix of `req`'s prompt: wait for it."""
+        for leader, length, prefix in self.pending_branches.values():
+            if leader is not req and req.prompt_len > length:
+                if tuple(req.prompt_token_ids[:length]) == prefix:
+                    return True
+        return False
+
+    def _drop_branch(self, req: Request) -> None:
+        entry = self.pending_branches.pop(id(req), None)
+        if entry is not None:
+            self.undo.push(lambda: self.pending_branches.__setitem__(id(req), entry))
 
     def release(self, req: Request) -> None:
         """Return everything a finished request holds."""
+        self._drop_branch(req)
         if self.prefix_cache is not None and req.node_refs:
             self.prefix_cache.release(req.node_refs)
         req.node_refs = []
@@ -171,11 +252,13 @@ class Scheduler:
         """After a step wrote `slot` = state at `length`: hand it to the prefix cache."""
         cache = self.prefix_cache
         _, taken, took_slot = cache.insert(req.all_token_ids, length, req.pages, slot)
+        cache.count(
+            checkpoints_written=took_slot, branch_checkpoints=took_slot and length == req.branch_len
+        )
+        if length >= req.branch_len:
+            self._drop_branch(req)
         req.owned_pages -= taken
-        path, node = [], cache.root
-        for key in cache._blocks(req.all_token_ids, length):
-            node = node.children[key]
-            path.append(node)
+        path = cache.path_to(req.all_token_ids, length)
         held = set(map(id, req.node_refs))
         new = [n for n in path if id(n) not in held]
         cache.acquire(new)
@@ -206,7 +289,17 @@ class Scheduler:
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
+            prompt_logprob_targets=self._prompt_logprob_targets(req, tokens, from_device),
         )
+
+    @staticmethod
+    def _prompt_logprob_targets(req: Request, tokens: list[int], from_device: bool):
+        """The prompt token after each of a prefill chunk's tokens (sample 0 of a request
+        with prompt_logprobs only; shorter at the prompt's end), else None."""
+        if from_device or req.params.prompt_logprobs is None or req.index != 0:
+            return None
+        start = req.num_computed + 1
+        return req.prompt_token_ids[start : start + len(tokens)]
 
     def _min_tokens_stop_ids(self, p) -> tuple[int, ...]:
         if p.min_tokens == 0:
@@ -214,14 +307,23 @@ class Scheduler:
         eos = () if p.ignore_eos else self.model_cfg.eos_token_ids
         return tuple(dict.fromkeys((*eos, *p.stop_token_ids)))
 
-    def _maybe_track(self, row: ScheduledRow, length: int) -> None:
+    def drop_checkpoint(self, req: Request, slot: int) -> None:
+        """A step wrote a checkpoint for a request that has finished since: free its slot."""
+        self.slots.free([slot])
+        self._drop_branch(req)
+
+    def _maybe_track(self, row: ScheduledRow, length: int) -> bool:
         req = row.request
         if self.prefix_cache is None or length <= req.cached_len or length <= row.spec.prefix_len:
-            return
+            return False
+        if any(n == length for _, n in row.checkpoints):
+            return True
         slot = self._take(self.slots, 1, slots=True)
         if slot is None:
-            return  # no room for a checkpoint this time; only a later cache hit is lost
-        row.spec.track_slot, row.spec.track_len, row.track_len = slot[0], length, length
+            return False  # no room for a checkpoint this time; only a later cache hit is lost
+        row.checkpoints.append((slot[0], length))
+        row.spec.tracks = list(row.checkpoints)
+        return True
 
     def _schedule_tokens(self, req: Request, n: int, *, from_device: bool) -> ScheduledRow:
         self._save(req)
@@ -232,9 +334,12 @@ class Scheduler:
         if from_device:
             if end % self.config.track_interval == 0 and self._decode_checkpoints_left > 0:
                 self._maybe_track(row, end)
-                self._decode_checkpoints_left -= row.track_len > 0
+                self._decode_checkpoints_left -= len(row.checkpoints)
         else:
+            if start < req.branch_len <= end and not self._maybe_track(row, req.branch_len):
+                self._drop_branch(req)  # no slot for it: the peers stop waiting
             self._maybe_track(row, end - end % self.block_size)
+            assert len(row.checkpoints) <= MAX_PREFILL_CHECKPOINTS
         req.num_computed = end
         req.init_slot = None
         if end >= req.prompt_len:
@@ -260,14 +365,24 @@ class Scheduler:
             n = min(budget, req.prompt_len - req.num_computed)
             prefill.append(self._schedule_tokens(req, n, from_device=False))
             budget -= n
-        while (self.waiting and budget > 0 and len(prefill) < max_prefill
+        i = 0
+        while (i < len(self.waiting) and budget > 0 and len(prefill) < max_prefill
                and len(self.running) < cfg.max_num_seqs):  # fmt: skip
-            req = self.waiting[0]
+            req = self.waiting[i]
+            if self.pending_branches and self._held(req):
+                if not req.was_held:
+                    self._save(req)
+                    req.was_held = True
+                    self.held_admissions += 1
+                    self.undo.push(lambda: setattr(self, "held_admissions",
+                                                   self.held_admissions - 1))  # fmt: skip
+                i += 1
+                continue
             if not self._admit(req):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(req)
-            self.undo.push(lambda req=req: (self.running.pop(), self.waiting.appendleft(req)))
+            self.undo.push(lambda req=req, i=i: (self.running.pop(), self.waiting.insert(i, req)))
             n = min(budget, req.prompt_len - req.num_computed)
             prefill.append(self._schedule_tokens(req, n, from_device=False))
             budget -= n
@@ -281,3 +396,25 @@ class Scheduler:
         if bd >= t:  # keep at least one prefill token slot past the decode block
             t = smallest_fitting(self.token_buckets, bd + 1, "step tokens")
         return ScheduledStep(rows + prefill, Bucket(t, bd + max_prefill, bd), len(rows))
+
+
+def aligned_common_prefix(a: list[int], b: list[int], block: int, floor: int = 0) -> int:
+    """The longest common prefix of `a` and `b` in whole blocks; 0 unless deeper than `floor`
+    (a block multiple). Compares block slices, so it runs at C speed."""
+    n = min(len(a), len(b)) // block * block
+    first = floor + block
+    if n < first or a[:first] != b[:first]:
+        return 0
+    length = first
+    while length + block <= n and a[length : length + block] == b[length : length + block]:
+        length += block
+    return length
+
+
+def slot_cost_in_pages(cfg: ModelConfig, page_size: int) -> float:
+    """What one state slot holds against one KV page (fp32 SSM state, 2-byte activations):
+    the weight of a checkpoint in the prefix cache's eviction."""
+    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
+    conv = (cfg.conv_kernel - 1) * cfg.conv_dim * 2
+    page = 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * 2
+    return cfg.num_mamba_layers * (ssm + conv) / max(cfg.num_attention_layers * page, 1)

@@ -3,7 +3,9 @@
 Decode rows go through the single-token conv update and the selective state update (state
 read and written once, in place by slot); prefill/extend rows go through the varlen causal
 conv and the chunked SSD scan, starting from their initial state and writing their final
-state — and, for rows that track this step, the checkpoint at the tracked length.
+state — and, for rows that track this step, the checkpoints at the tracked lengths (up to
+`MAX_PREFILL_CHECKPOINTS` per row: the SSD scan's chunk-boundary states, and the K-1 conv
+inputs before each length gathered from the pre-conv input and the initial conv state).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from jaxmamba.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, windows_at
 from jaxmamba.kernels.ssd import ssd_varlen
 from jaxmamba.kernels.state_update import selective_state_update
 from jaxmamba.model.layers import Dtype, GatedGroupRMSNorm, Linear
@@ -141,10 +143,14 @@ class Mamba2Mixer(nn.Module):
             xbc_p = xbc[bd:]
             has_init = pre.has_initial_state
             init_conv = jnp.where(has_init[:, None, None], conv_pool[pre.init_slots], 0)
-            xbc_p, conv_final, conv_tracked = causal_conv1d_varlen(
+            # The conv checkpoints are windows of this layer's pre-conv input: one gather for
+            # every (row, checkpoint) entry, whatever the kernel.
+            conv_tracked = windows_at(
+                xbc_p, init_conv, pre.cu_seqlens, pre.track_rows, pre.track_ends, K - 1
+            )
+            xbc_p, conv_final, _ = causal_conv1d_varlen(
                 xbc_p, weight, bias, pre.cu_seqlens,
-                initial_states=init_conv, track_ends=pre.track_ends, activation="silu",
-                impl=self.impl,
+                initial_states=init_conv, activation="silu", impl=self.impl,
             )  # fmt: skip
             x_p, b_p, c_p = split_xbc(xbc_p)
             init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[pre.init_slots], 0)
@@ -163,7 +169,7 @@ class Mamba2Mixer(nn.Module):
 
         y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
         y = y.reshape(num_tokens, d_inner)
-        y = GatedGroupRMSNorm(G, cfg.norm_eps, self.dtype, name="norm")(y, z)
+        y = GatedGroupRMSNorm(G, cfg.norm_eps, self.dtype, cfg.mamba_rms_norm, name="norm")(y, z)
         out = Linear(
             cfg.hidden_size,
             ("mamba_inner", "embed"),

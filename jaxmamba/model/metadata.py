@@ -35,8 +35,11 @@ class StepInputs(NamedTuple):
     state_slots: jax.Array  # i32[B] working state slot (pad rows: the pad slot)
     init_slots: jax.Array  # i32[B] slot the initial state is read from (a prefix-cache hit's node)
     has_initial_state: jax.Array  # bool[B]
-    track_slots: jax.Array  # i32[B] where to checkpoint the state this step (else the pad slot)
-    track_lens: jax.Array  # i32[B] absolute length of that checkpoint (0 when none)
+    # Where to checkpoint the state this step: up to MAX_PREFILL_CHECKPOINTS per prefill row
+    # (decode rows use column 0); unused entries hold the pad slot and length 0. A `[B]`
+    # array is read as one column.
+    track_slots: jax.Array  # i32[B, KP]
+    track_lens: jax.Array  # i32[B, KP] absolute length of each checkpoint
     page_table: jax.Array  # i32[B, MP] KV pages per row (pad entries: the pad page)
     temperature: jax.Array  # f32[B] 0 = greedy
     top_p: jax.Array  # f32[B]
@@ -52,6 +55,9 @@ class StepInputs(NamedTuple):
     frequency_penalty: jax.Array  # f32[B] 0 = off
     repetition_penalty: jax.Array  # f32[B] 1 = off
     penalty_reset: jax.Array  # bool[B] the row is its request's first step (clears its slot)
+    # i32[T] the prompt token after each prefill token, for prompt_logprobs (-1: not asked);
+    # None: the step scores no prompt tokens.
+    prompt_logprob_targets: jax.Array | None = None
 
 
 class PrefillMetadata(NamedTuple):
@@ -63,15 +69,25 @@ class PrefillMetadata(NamedTuple):
     state_slots: jax.Array  # i32[Bp]
     init_slots: jax.Array  # i32[Bp]
     has_initial_state: jax.Array  # bool[Bp]
-    track_slots: jax.Array  # i32[Bp] checkpoint target, pad slot when the row tracks nothing
-    track_ends: jax.Array  # i32[Bp] tracked length relative to the row's first new token
-    track_chunks: jax.Array  # i32[Bp] chunk whose end state is the tracked SSM state
+    # The tracked-row selection, flattened over (row, checkpoint): [Bp * KP] entries.
+    track_slots: jax.Array  # i32[Bp*KP] checkpoint target, pad slot for unused entries
+    track_rows: jax.Array  # i32[Bp*KP] prefill row of each checkpoint
+    track_ends: jax.Array  # i32[Bp*KP] tracked length relative to its row's first new token
+    track_chunks: jax.Array  # i32[Bp*KP] chunk whose end state is the tracked SSM state
 
 
 # A decode step checkpoints at most this many rows (rows whose length crosses a multiple of
 # the track interval); the scheduler enforces it. Copying only these rows — not a masked copy
 # of every row — keeps decode from moving every state twice.
 MAX_DECODE_CHECKPOINTS = 8
+
+# A prefill/extend row writes at most this many checkpoints in one step: one where its prompt
+# branches off a prefix other requests share (the deepest block boundary inside the shared
+# part) and one at the last block boundary of the chunk it feeds. A third is never needed: a
+# request has one branch point (the deepest; shallower ones are covered by it), and a
+# multi-turn or decode checkpoint is the chunk-end one. Each entry costs the SSD scan one
+# more chunk-boundary state written and the conv a K-1 row gather, so the bound stays small.
+MAX_PREFILL_CHECKPOINTS = 2
 
 
 class DecodeMetadata(NamedTuple):
@@ -120,10 +136,13 @@ class ForwardMetadata(NamedTuple):
         )
         last_token_index = jnp.maximum(qsl[1:] - 1, 0)
 
+        track_slots, track_lens = inputs.track_slots, inputs.track_lens
+        if track_slots.ndim == 1:
+            track_slots, track_lens = track_slots[:, None], track_lens[:, None]
         decode = None
         if num_decode > 0:
             slots = inputs.state_slots[:num_decode]
-            targets = inputs.track_slots[:num_decode]
+            targets = track_slots[:num_decode, 0]
             tracking = targets != pad_slot
             k = min(num_decode, MAX_DECODE_CHECKPOINTS)
             (rows,) = jnp.nonzero(tracking, size=k, fill_value=0)
@@ -142,11 +161,17 @@ class ForwardMetadata(NamedTuple):
             starts = inputs.prefix_lens[rows]
             lengths = cu_seqlens[1:] - cu_seqlens[:-1]
             layout = build_chunk_layout(cu_seqlens, num_prefill_tokens, chunk_size, starts)
-            track_ends = jnp.clip(inputs.track_lens[rows] - starts, 0, lengths)
-            # The tracked length is a chunk boundary (or the row's end), so its state is the
+            kp = track_slots.shape[1]
+            num_prefill_rows = num_rows - num_decode
+            track_rows = jnp.repeat(jnp.arange(num_prefill_rows, dtype=jnp.int32), kp)
+            row_starts = starts[track_rows]
+            track_ends = jnp.clip(track_lens[rows].reshape(-1) - row_starts, 0, lengths[track_rows])
+            # A tracked length is a chunk boundary (or the row's end), so its state is the
             # end state of the chunk holding the token just before it.
-            chunk_of_end = (starts + jnp.maximum(track_ends, 1) - 1) // chunk_size
-            track_chunks = layout.seq_first_chunk + chunk_of_end - starts // chunk_size
+            chunk_of_end = (row_starts + jnp.maximum(track_ends, 1) - 1) // chunk_size
+            track_chunks = (
+                layout.seq_first_chunk[track_rows] + chunk_of_end - row_starts // chunk_size
+            )
             num_chunks = layout.chunk_seq.shape[0]
             prefill = PrefillMetadata(
                 cu_seqlens=cu_seqlens,
@@ -155,7 +180,8 @@ class ForwardMetadata(NamedTuple):
                 state_slots=inputs.state_slots[rows],
                 init_slots=inputs.init_slots[rows],
                 has_initial_state=inputs.has_initial_state[rows],
-                track_slots=inputs.track_slots[rows],
+                track_slots=track_slots[rows].reshape(-1),
+                track_rows=track_rows,
                 track_ends=track_ends,
                 track_chunks=jnp.clip(track_chunks, 0, num_chunks - 1),
             )

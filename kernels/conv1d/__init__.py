@@ -20,6 +20,7 @@ from .ref import (
     check_activation,
     conv_window_indices,
     token_seq_ids,
+    windows_at,
 )
 from .tpu import causal_conv1d_update_tpu, causal_conv1d_varlen_tpu
 
@@ -30,6 +31,7 @@ __all__ = [
     "causal_conv1d_varlen_ref",
     "conv_window_indices",
     "token_seq_ids",
+    "windows_at",
 ]
 
 

@@ -95,6 +95,28 @@ def state_windows(
     return jnp.where((p >= 0)[..., None], from_x, from_state).astype(state_dtype)
 
 
+def windows_at(
+    x: jax.Array,  # [T, D]
+    initial_states: jax.Array,  # [S, width, D]
+    cu_seqlens: jax.Array,  # i32[S+1]
+    seqs: jax.Array,  # i32[W] sequence of each window
+    ends: jax.Array,  # i32[W] relative position just after each window
+    width: int,
+) -> jax.Array:
+    """[W, width, D]: the ``width`` inputs before relative position ``ends[w]`` of sequence
+    ``seqs[w]`` (several windows per sequence allowed), in the dtype of ``initial_states``.
+    Two static-shape gathers (tokens, initial-state rows) and a select."""
+    num_tokens = x.shape[0]
+    p = ends[:, None] - width + jnp.arange(width, dtype=jnp.int32)  # [W, width]
+    if num_tokens:
+        from_x = x[jnp.clip(cu_seqlens[seqs][:, None] + p, 0, num_tokens - 1)]
+    else:
+        from_x = jnp.zeros(p.shape + x.shape[1:], x.dtype)
+    from_state = initial_states[seqs[:, None], jnp.clip(width + p, 0, width - 1)]
+    state_dtype = initial_states.dtype
+    return jnp.where((p >= 0)[..., None], from_x.astype(state_dtype), from_state)
+
+
 def final_and_tracked_states(
     x: jax.Array,  # [T, D]
     initial_states: jax.Array | None,  # [S, K-1, D]
