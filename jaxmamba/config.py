@@ -71,6 +71,9 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # on every sub-block's output before the residual add
     logits_multiplier: float = 1.0
+    # Constant multipliers the family's parameter map folds into weights when loading, by HF
+    # config key: ((key, (values...)), ...). They change no shape; random weights ignore them.
+    weight_multipliers: tuple[tuple[str, tuple[float, ...]], ...] = ()
     # "moe" layers: X routed experts (top-k), plus a shared expert when its width is > 0.
     # Experts and the shared expert use mlp_activation.
     num_experts: int = 0
@@ -90,6 +93,11 @@ class ModelConfig:
         # Normalise YAML/JSON lists so equality and hashing behave.
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
+        object.__setattr__(
+            self,
+            "weight_multipliers",
+            tuple((str(k), tuple(float(x) for x in v)) for k, v in self.weight_multipliers),
+        )
         eos_ids = self.eos_token_ids
         if isinstance(eos_ids, list | tuple):
             eos_ids = tuple(dict.fromkeys(eos_ids))  # ordered, without repeats
@@ -232,6 +240,7 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         d["time_step_limit"] = list(self.time_step_limit)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["weight_multipliers"] = [[k, list(v)] for k, v in self.weight_multipliers]
         return d
 
     @classmethod

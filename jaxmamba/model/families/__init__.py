@@ -36,9 +36,10 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from jaxmamba.model.families import bamba, granitemoehybrid, mamba2, nemotron_h
+    from jaxmamba.model.families import bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h
 
-    families = (nemotron_h.FAMILY, mamba2.FAMILY, bamba.FAMILY, granitemoehybrid.FAMILY)
+    families = (nemotron_h.FAMILY, mamba2.FAMILY, bamba.FAMILY, granitemoehybrid.FAMILY,
+                falcon_h1.FAMILY)  # fmt: skip
     return {f.model_type: f for f in families}
 
 
