@@ -39,6 +39,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int, default=8)
     p.add_argument("--max-model-len", type=_positive_int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the device's memory for weights, step temporaries and the cache, "
+        "which gets the rest (GPU/TPU; on CPU the cache's sizes are checked against it x the "
+        "host's available memory)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_positive_int,
+        help="the cache's size in bytes (state slots and KV pages), instead of sizing it from "
+        "--gpu-memory-utilization",
+    )
+    p.add_argument(
+        "--num-state-slots",
+        type=_positive_int,
+        help="state slots (running rows + prefix-cache checkpoints); default: sized",
+    )
+    p.add_argument("--num-pages", type=_positive_int, help="KV pages; default: sized")
 
 
 def _llm(args):
@@ -51,6 +71,10 @@ def _llm(args):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_state_slots=args.num_state_slots,
+        num_pages=args.num_pages,
         seed=args.seed,
         **cache_kwargs(args),
     )
@@ -60,6 +84,7 @@ def cmd_generate(args) -> int:
     from jaxmamba import SamplingParams
 
     llm = _llm(args)
+    print(llm.cache_plan.describe(), file=sys.stderr)
     prompts = args.prompt or ["def main(", "import os\n", "class Config:\n    def "]
     # One seed per prompt: with a shared seed, requests draw the same random numbers.
     params = [

@@ -9,6 +9,7 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -98,6 +99,8 @@ class LLM:
         track_interval: int | None = None,
         num_state_slots: int | None = None,
         num_pages: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
         precompile: bool = False,
         seed: int = 0,
         impl: str = "auto",
@@ -140,9 +143,17 @@ class LLM:
             track_interval=track_interval,
             num_state_slots=num_state_slots,
             num_pages=num_pages,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
         ).for_chunk_size(self.model_cfg.chunk_size)
         if params is None:
             params = load_params(model, self.model_cfg, self.dtype, seed)
+        self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, impl)
+        self.engine_cfg = dataclasses.replace(
+            self.engine_cfg,
+            num_state_slots=self.cache_plan.state_slots,
+            num_pages=self.cache_plan.pages,
+        )
         spec = CacheSpec(
             num_slots=self.engine_cfg.state_slots,
             num_pages=self.engine_cfg.pages,
@@ -256,6 +267,106 @@ class LLM:
     def stats(self) -> dict[str, float]:
         """Engine counters: steps, tokens, device reads, compilations, free slots/pages, hits."""
         return self.engine.counters()
+
+
+def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: str = "auto"):
+    """The cache's slots and pages (`memory.CachePlan`), sized as jaxmamba/engine/memory.py
+    says, and logged. GPU/TPU: from the device's memory after the weights (in use) and the
+    largest steps' temporaries (XLA's memory analysis of the largest prefill and decode
+    buckets); CPU: the given or default sizes, checked against the host's MemAvailable."""
+    import jax
+
+    from jaxmamba.engine import memory
+
+    itemsize = jnp.dtype(dtype).itemsize
+    per_slot = memory.slot_bytes(model_cfg, itemsize)
+    per_page = memory.page_bytes(model_cfg, cfg.page_size, itemsize)
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    plan = functools.partial(
+        memory.plan_cache,
+        per_slot=per_slot,
+        per_page=per_page,
+        max_num_seqs=cfg.max_num_seqs,
+        max_pages_per_seq=cfg.max_pages_per_seq,
+        page_size=cfg.page_size,
+        pages_per_checkpoint=memory.pages_per_checkpoint(cfg.track_interval, cfg.page_size),
+        prefix_caching=cfg.enable_prefix_caching,
+        num_state_slots=cfg.num_state_slots,
+        num_pages=cfg.num_pages,
+    )
+    u = cfg.gpu_memory_utilization
+    device = jax.tree.leaves(params)[0].devices().pop() if weights else jax.devices()[0]
+    mem = memory.device_memory(device)
+    temps = 0
+    if cfg.kv_cache_memory_bytes is not None:
+        how = f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}"
+        result = plan(budget=cfg.kv_cache_memory_bytes, budget_what="kv_cache_memory_bytes",
+                      hint="raise kv_cache_memory_bytes")  # fmt: skip
+    elif mem is None:
+        how = "no memory figures for this device: sizes not checked"
+        result = plan(budget=None)
+    elif mem.source == "MemAvailable":
+        budget = memory.cache_budget(limit=mem.limit, in_use=0, utilization=u, temporaries=0)
+        how = f"host MemAvailable {memory.fmt_bytes(mem.limit)} x {u}"
+        where = f"{u} x the host's MemAvailable"
+        defaults = cfg.num_state_slots is None and cfg.num_pages is None
+        try:  # the given or default sizes, as they are
+            result = plan(
+                budget=budget,
+                num_state_slots=cfg.state_slots,
+                num_pages=cfg.pages,
+                budget_what=where,
+                hint="pass smaller num_state_slots/num_pages",
+            )
+        except ValueError as e:
+            if not defaults:
+                raise
+            factor = 2 if cfg.enable_prefix_caching else 1
+            rows = cfg.max_num_seqs * factor
+            fit = max(budget - (cfg.state_slots + 1) * per_slot, 0) // per_page // rows
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} with max_num_seqs={cfg.max_num_seqs} needs "
+                f"{memory.fmt_bytes(cfg.pages * per_page)} of KV pages on CPU ({rows} rows at "
+                f"max_model_len: the default sizes), more than {where} "
+                f"({memory.fmt_bytes(budget)}): at most max_model_len={fit * cfg.page_size} "
+                "fits; or pass num_pages, num_state_slots or kv_cache_memory_bytes"
+            ) from e
+    else:
+        what = f"gpu_memory_utilization={u} x {mem.limit / memory.GiB:.2f} GiB"
+        budget = memory.cache_budget(limit=mem.limit, in_use=mem.in_use, utilization=u,
+                                     temporaries=0)  # fmt: skip
+        plan(budget=budget, budget_what=f"{what} - in use")  # too small even before temporaries
+        temps = _largest_step_temporaries(model_cfg, cfg, params, dtype, impl)
+        budget -= temps
+        gib = lambda n: f"{n / memory.GiB:.2f} GiB"  # noqa: E731
+        how = f"{what} - {gib(mem.in_use)} in use (weights {gib(weights)}) - {gib(temps)} temps"
+        result = plan(budget=budget, budget_what=f"{what} - in use - step temporaries")
+    result = dataclasses.replace(result, note=f"memory: {how}")
+    logger.info("%s", result.describe())
+    return result
+
+
+def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl):
+    """The most temporary bytes of the largest prefill/mixed and the largest decode bucket."""
+    from jaxmamba.engine.batch import StepBuilder
+    from jaxmamba.engine.runner import step_temporary_bytes
+    from jaxmamba.engine.scheduler import Scheduler
+
+    probe = dataclasses.replace(
+        cfg, num_state_slots=cfg.max_num_seqs, num_pages=cfg.max_pages_per_seq
+    )
+    spec = CacheSpec(probe.state_slots, probe.pages, cfg.page_size)
+    buckets = Scheduler(model_cfg, probe).all_buckets()
+    decode = [b for b in buckets if b.num_decode == b.num_rows]
+    prefill = [b for b in buckets if b.num_decode < b.num_rows]
+    largest = [max(g, key=lambda b: (b.num_tokens, b.num_rows)) for g in (decode, prefill) if g]
+    builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size)
+    return max(
+        step_temporary_bytes(
+            model_cfg, params, spec, builder.padding(b), b.num_decode, dtype=dtype, impl=impl
+        )
+        for b in largest
+    )
 
 
 def _with_tokenizer_eos(cfg: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:

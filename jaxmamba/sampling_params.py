@@ -16,11 +16,7 @@ from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
 
 # Fields that are declared and validated but whose non-default values nothing acts on yet;
 # setting one raises instead of being silently ignored. Whoever implements a field removes it.
-NOT_IMPLEMENTED: frozenset[str] = frozenset(
-    {
-        "prompt_logprobs",
-    }
-)
+NOT_IMPLEMENTED: frozenset[str] = frozenset()
 
 
 def _int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from jaxmamba.engine.memory import default_sizes
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -18,18 +20,27 @@ class EngineConfig:
     # Decode checkpoints every this many tokens, a multiple of lcm(chunk_size, page_size);
     # default (None): the first such multiple >= 256, see `for_chunk_size`.
     track_interval: int | None = None
-    num_state_slots: int | None = None  # default: max_num_seqs, twice that with prefix caching
-    num_pages: int | None = None  # default: every row at max_model_len, 2x with caching
+    # Explicit pool sizes; by default sized from device memory (jaxmamba/engine/memory.py), or
+    # on CPU max_num_seqs slots and every row at max_model_len, twice both with caching.
+    # Slots beyond max_num_seqs are the prefix cache's checkpoint slots.
+    num_state_slots: int | None = None
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.9  # of the device's memory for weights, steps and cache
+    kv_cache_memory_bytes: int | None = None  # the cache's size in bytes, instead of the above
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
                      "max_prefill_seqs", "page_size", "track_interval",
-                     "num_state_slots", "num_pages"):  # fmt: skip
+                     "num_state_slots", "num_pages", "kv_cache_memory_bytes"):  # fmt: skip
             value = getattr(self, name)
-            if value is None and name in ("track_interval", "num_state_slots", "num_pages"):
+            if value is None and name in ("track_interval", "num_state_slots", "num_pages",
+                                          "kv_cache_memory_bytes"):  # fmt: skip
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
 
     def for_chunk_size(self, chunk_size: int) -> EngineConfig:
         """This config with `track_interval` resolved for a model of `chunk_size`: a user's
@@ -51,12 +62,17 @@ class EngineConfig:
 
     @property
     def state_slots(self) -> int:
+        """All state slots: max_num_seqs running rows, the rest checkpoint slots."""
         if self.num_state_slots is not None:
             return self.num_state_slots
-        return self.max_num_seqs * (2 if self.enable_prefix_caching else 1)
+        return default_sizes(self.max_num_seqs, self.max_pages_per_seq, self.enable_prefix_caching)[
+            0
+        ]
 
     @property
     def pages(self) -> int:
         if self.num_pages is not None:
             return self.num_pages
-        return self.max_num_seqs * self.max_pages_per_seq * (2 if self.enable_prefix_caching else 1)
+        return default_sizes(self.max_num_seqs, self.max_pages_per_seq, self.enable_prefix_caching)[
+            1
+        ]

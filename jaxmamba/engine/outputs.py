@@ -51,7 +51,9 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    prompt_logprobs: None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token_id: Logprob} of that token and the top-k (in the first output of a stream)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold the next step's delta for this request into this output."""

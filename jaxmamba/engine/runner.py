@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.cache import CacheSpec, StateCache, init_cache
+from jaxmamba.model.cache import CacheSpec, StateCache, cache_shapes, init_cache
 from jaxmamba.model.metadata import ForwardMetadata, StepInputs
 from jaxmamba.model.sampling import (
     MAX_LOGPROBS,
@@ -26,6 +26,7 @@ from jaxmamba.model.sampling import (
     PenaltyState,
     SampleOutput,
     init_penalty_state,
+    prompt_logprobs,
     record_tokens,
     sample,
 )
@@ -94,7 +95,10 @@ TRACE_COUNTS: Counter = Counter()
 
 def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
             num_decode):  # fmt: skip
-    """One engine step: forward, sample at each row's last token, remember the samples."""
+    """One engine step: forward, sample at each row's last token, remember the samples.
+
+    The packed output has a row per step row; a bucket with prefill rows appends a row per
+    prefill token (`score_prompt_tokens`: prompt_logprobs, zeros when none asks)."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
     meta = build_metadata(model, spec, inputs, num_decode)
     input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
@@ -115,7 +119,52 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
         inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
     )  # fmt: skip
     last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
-    return pack_sample_output(out), cache, SlotState(last_tokens, seen)
+    packed = pack_sample_output(out)
+    targets = inputs.prompt_logprob_targets
+    if targets is not None and slots.shape[0] > num_decode:  # the bucket has prefill rows
+        logits_of = lambda h: model.apply({"params": params}, h, method="logits")  # noqa: E731
+        scored = score_prompt_tokens(logits_of, hidden[num_decode:], targets[num_decode:])
+        packed = jnp.concatenate([packed, scored], axis=0)
+    return packed, cache, SlotState(last_tokens, seen)
+
+
+# Prompt tokens scored at once: bounds the f32 [block, V] logits prompt_logprobs needs.
+PROMPT_LOGPROBS_BLOCK = 256
+
+
+def score_prompt_tokens(logits_of, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+    """`i32[T, 3 + 2 * MAX_LOGPROBS]`, packed as the samples are, per prefill token: the next
+    prompt token (`targets`), its logprob and rank, the top ids and logprobs. Under
+    `lax.cond` on whether any token asks (`targets >= 0`): otherwise zeros, and no logits
+    are computed. Blocks of PROMPT_LOGPROBS_BLOCK tokens go through `lax.map`."""
+    num_tokens = hidden.shape[0]  # hidden: [T, E]
+    block = min(num_tokens, PROMPT_LOGPROBS_BLOCK)
+    num_blocks = -(-num_tokens // block)
+    pad = num_blocks * block - num_tokens
+
+    def score(h):
+        h = jnp.pad(h, ((0, pad), (0, 0))).reshape(num_blocks, block, -1)
+        t = jnp.pad(targets, (0, pad), constant_values=-1).reshape(num_blocks, block)
+
+        def one(args):
+            hb, tb = args
+            p = prompt_logprobs(logits_of(hb), tb)
+            return pack_sample_output(SampleOutput(tb, p.logprobs, p.ranks, p.top_ids,
+                                                   p.top_logprobs))  # fmt: skip
+
+        return jax.lax.map(one, (h, t)).reshape(num_blocks * block, -1)[:num_tokens]
+
+    shape = jax.eval_shape(score, hidden).shape
+    nothing = lambda h: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    return jax.lax.cond(jnp.any(targets >= 0), score, nothing, hidden)
+
+
+def unpack_prompt_logprobs(packed: np.ndarray, num_rows: int) -> HostSample | None:
+    """The prompt-token rows of a step's packed output (after its `num_rows` sample rows);
+    `tokens` holds each row's next prompt token. None for a step without them."""
+    if packed.shape[0] <= num_rows:
+        return None
+    return unpack_sample_output(packed[num_rows:])
 
 
 def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
@@ -211,3 +260,36 @@ class ModelRunner:
                     progress(i + 1, len(buckets), buckets[i])
         for bucket, x in zip(buckets, inputs, strict=True):
             jax.block_until_ready(self.step(x, bucket.num_decode))
+
+
+def step_temporary_bytes(
+    cfg: ModelConfig,
+    params,
+    spec: CacheSpec,
+    inputs: StepInputs,
+    num_decode: int,
+    *,
+    dtype=jnp.float32,
+    impl: str = "auto",
+    small_m_impl: str | None = None,
+) -> int:
+    """Device bytes one step of this bucket needs beyond its arguments: XLA's memory analysis
+    of the compiled step (temporaries, and outputs that do not alias a donated input). Only
+    shapes are used: nothing is allocated or run."""
+    from jaxmamba.model.model import Mamba2HybridLM
+
+    dtype = jnp.dtype(dtype)
+    model = Mamba2HybridLM(cfg, dtype, impl, small_m_impl)
+    shapes = jax.eval_shape(
+        lambda: SlotState(
+            jnp.zeros(spec.num_slots + 1, jnp.int32),
+            init_penalty_state(spec.num_slots, cfg.vocab_size),
+        )
+    )
+    args = (params, cache_shapes(cfg, spec, dtype), shapes, inputs)
+    compiled = jitted_step.lower(*args, num_decode=num_decode, model=model, spec=spec).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return 0
+    unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    return int(analysis.temp_size_in_bytes + max(unaliased, 0))

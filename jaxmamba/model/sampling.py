@@ -202,3 +202,33 @@ def sample(
         top_ids.astype(jnp.int32),
         top_logits - log_norm[:, None],
     )
+
+
+class PromptLogprobs(NamedTuple):
+    """Per prefill token: how likely the model found the prompt token that follows it."""
+
+    logprobs: jax.Array  # f32[T] log-probability of the next prompt token
+    ranks: jax.Array  # i32[T] its 1-based rank (count of tokens at least as likely)
+    top_ids: jax.Array  # i32[T, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[T, MAX_LOGPROBS]
+
+
+def prompt_logprobs(
+    logits: jax.Array,  # f32[T, V] raw logits at each prefill token
+    targets: jax.Array,  # i32[T] the prompt token after each (-1: none; its values are unused)
+) -> PromptLogprobs:
+    """vLLM's prompt logprobs: the raw model's log-softmax at each prompt token, read at the
+    token that follows it, its rank, and the top MAX_LOGPROBS."""
+    vocab = logits.shape[-1]
+    logits = logits.astype(jnp.float32)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    safe = jnp.clip(targets, 0, vocab - 1)
+    target_logits = jnp.take_along_axis(logits, safe[:, None], axis=-1)
+    ranks = jnp.sum(logits >= target_logits, axis=-1).astype(jnp.int32)
+    top_logits, top_ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, vocab))
+    return PromptLogprobs(
+        target_logits[:, 0] - log_norm,
+        ranks,
+        top_ids.astype(jnp.int32),
+        top_logits - log_norm[:, None],
+    )

@@ -1,0 +1,156 @@
+"""Cache sizing from memory (vLLM's gpu_memory_utilization): bytes per slot/page, the split of
+a budget, clear errors that say what fits, and the LLM wired to it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba.engine import memory
+from jaxmamba.engine import runner as runner_mod
+from jaxmamba.engine.config import EngineConfig
+from jaxmamba.model.cache import CacheSpec, cache_bytes
+from jaxmamba.model.params import init_params
+from jaxmamba.model.sampling import init_penalty_state
+
+
+@pytest.mark.parametrize("preset", ["nemotron-h-tiny", "nemotron-nano-9b-v2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_slot_and_page_bytes_equal_the_cache_arrays(preset, dtype):
+    cfg = ModelConfig.from_preset(preset)
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def total(slots, pages):
+        sampler = jax.eval_shape(lambda: init_penalty_state(slots, cfg.vocab_size))
+        sampler_bytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(sampler))
+        last_tokens = 4 * (slots + 1)
+        return cache_bytes(cfg, CacheSpec(slots, pages, 16), dtype) + sampler_bytes + last_tokens
+
+    assert memory.slot_bytes(cfg, itemsize) == total(3, 5) - total(2, 5)
+    assert memory.page_bytes(cfg, 16, itemsize) == total(3, 5) - total(3, 4)
+
+
+def plan(budget, **kw):
+    args = dict(per_slot=1000, per_page=10, max_num_seqs=4, max_pages_per_seq=8, page_size=16,
+                pages_per_checkpoint=16, prefix_caching=True)  # fmt: skip
+    return memory.plan_cache(budget=budget, **(args | kw))
+
+
+@pytest.mark.parametrize("budget", [5_100, 5_330, 20_000, 123_457])
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_split_runs_rows_first_then_their_pages_then_checkpoints(budget, caching):
+    p = plan(budget, prefix_caching=caching)
+    assert p.cache_bytes <= budget  # pad slot and page included
+    assert p.state_slots >= 4 and p.pages >= 8  # every running row, one full sequence
+    full = 4 * 8
+    if p.pages < full or not caching:
+        assert p.state_slots == 4  # no checkpoint slot before the running rows' pages
+        assert p.pages == min(full, (budget - 1010 - 4000) // 10)
+    else:  # the rest: checkpoint slots with one interval's pages each, leftovers to pages
+        unit = 1000 + 16 * 10
+        rest = budget - 1010 - 4000 - full * 10
+        assert p.checkpoint_slots == rest // unit
+        assert p.pages == full + 16 * p.checkpoint_slots + (rest % unit) // 10
+        assert budget - p.cache_bytes < 10  # nothing a page would fit in is left
+    assert p.max_concurrency == p.pages // 8
+
+
+def test_too_long_max_model_len_says_how_long_fits():
+    budget = 1010 + 4000 + 50 * 10  # pad + 4 slots + 50 pages
+    with pytest.raises(ValueError, match=r"at most max_model_len=800 fits"):
+        plan(budget, max_pages_per_seq=51)
+    assert plan(budget, max_pages_per_seq=50).pages == 50  # exactly what it said
+
+
+def test_explicit_sizes_that_do_not_fit_say_how_many_do():
+    budget = 1010 + 6000 + 100 * 10
+    assert plan(budget, num_state_slots=6, num_pages=100).cache_bytes == budget
+    with pytest.raises(ValueError, match=r"with 6 slots at most 100 pages fit"):
+        plan(budget, num_state_slots=6, num_pages=101)
+    with pytest.raises(ValueError, match=r"at most 6 state slots fit"):  # beside 8 pages
+        plan(budget, num_state_slots=7)
+    with pytest.raises(ValueError, match=r"at most 300 pages fit"):
+        plan(budget, num_pages=301)
+    with pytest.raises(ValueError, match=r"num_state_slots=3 < max_num_seqs=4"):
+        plan(budget, num_state_slots=3)
+    with pytest.raises(ValueError, match=r"at most max_num_seqs=1 "):  # nothing else fits either
+        plan(1010 + 1500 + 8 * 10)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, float("nan"), True, "0.9"])
+def test_gpu_memory_utilization_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
+        EngineConfig(gpu_memory_utilization=bad)
+
+
+TINY = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(ModelConfig.from_preset("nemotron-h-tiny"), seed=0)
+
+
+def device_bytes(llm) -> int:
+    leaves = jax.tree.leaves((llm.runner.cache, llm.runner.slot_state))
+    return sum(x.nbytes for x in leaves)
+
+
+def test_llm_sized_from_device_memory_fits_and_generates(monkeypatch, params):
+    """The GPU/TPU path, on CPU with made-up memory_stats: budget = 0.5 x limit - in use -
+    the largest steps' temporaries; the arrays the runner allocates fit in it."""
+    limit, in_use = 40 << 20, 1 << 20
+    fake = memory.DeviceMemory(limit, in_use, "memory_stats")
+    monkeypatch.setattr(memory, "device_memory", lambda device: fake)
+    temps = []
+    real = runner_mod.step_temporary_bytes
+    monkeypatch.setattr(
+        runner_mod, "step_temporary_bytes", lambda *a, **k: temps.append(real(*a, **k)) or temps[-1]
+    )
+    llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **TINY)
+    p = llm.cache_plan
+    cfg = llm.model_cfg
+    assert len(temps) == 2 and max(temps) >= 32 * cfg.hidden_size * 4  # one f32 activation
+    assert p.budget == int(0.5 * limit) - in_use - max(temps)
+    assert llm.engine_cfg.state_slots == llm.runner.cache_spec.num_slots == p.state_slots
+    assert llm.engine_cfg.pages == llm.runner.cache_spec.num_pages == p.pages
+    assert p.checkpoint_slots > 0 and p.pages > 4 * 6
+    assert device_bytes(llm) == p.cache_bytes <= p.budget < 0.5 * limit - in_use
+    sp = SamplingParams(max_tokens=3)
+    out = llm.generate(prompt_token_ids=[[256, 1, 2, 3]], sampling_params=sp, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match=r"at most max_model_len=\d+ fits"):
+        LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, max_model_len=10**7, params=params)
+
+
+def test_kv_cache_memory_bytes_sizes_the_cache(params):
+    budget = 3 << 20
+    llm = LLM("nemotron-h-tiny", kv_cache_memory_bytes=budget, enable_prefix_caching=False,
+              params=params, **TINY)  # fmt: skip
+    p = llm.cache_plan
+    assert p.state_slots == 4 and p.pages == 4 * 6  # no caching: the running rows' needs only
+    assert device_bytes(llm) == p.cache_bytes <= budget
+    with pytest.raises(ValueError, match=r"num_pages=100000 .* at most \d+ pages fit"):
+        LLM("nemotron-h-tiny", kv_cache_memory_bytes=budget, num_pages=100_000, params=params,
+            **TINY)  # fmt: skip
+
+
+def test_cpu_max_model_len_beyond_host_memory_is_an_error_not_an_oom(params):
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    need = 16 * (10**7 // 16) * memory.page_bytes(cfg, 16, 4)  # default pages, 8 rows x 2
+    available = memory.host_available_bytes()
+    if available is None or 0.9 * available > need:
+        pytest.skip(f"this host has {available} bytes available: 10**7 tokens would fit")
+    with pytest.raises(ValueError, match=r"max_model_len=10000000 .* at most max_model_len=\d+"):
+        LLM("nemotron-h-tiny", max_model_len=10**7, params=params)
+
+
+def test_host_meminfo_is_read(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       1000 kB\nMemAvailable:    512 kB\n")
+    assert memory.host_available_bytes(str(f)) == 512 * 1024
+    assert memory.host_available_bytes(str(tmp_path / "missing")) is None
+    assert np.isclose(memory.cache_budget(limit=100, in_use=10, utilization=0.9, temporaries=5), 75)
