@@ -78,6 +78,10 @@ def load_params(model: str, cfg: ModelConfig, dtype, seed: int):
 
     path = checkpoint_dir(model)
     if path is not None:
+        from jaxmamba.model.orbax_io import is_orbax_model, load_orbax_model
+
+        if is_orbax_model(path):  # `jaxmamba convert` output: weights in Orbax
+            return load_orbax_model(path, cfg, dtype)
         from jaxmamba.model.loader import load_hf_checkpoint
 
         return load_hf_checkpoint(path, cfg, dtype=dtype, expected=param_shapes(cfg, dtype))

@@ -95,3 +95,62 @@ def add_parsers(sub, add_model_args, add_engine_args) -> None:
     )
     exp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     exp.set_defaults(func=cmd_export)
+    add_more_parsers(sub, add_model_args, add_engine_args)
+
+
+def _bucket(text: str) -> tuple[int, int, int]:
+    try:
+        t, b, d = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a bucket is TxBxD (e.g. 512x9x1), got {text!r}"
+        ) from None
+    return t, b, d
+
+
+def cmd_aot(args) -> int:
+    from jaxmamba.export.aot import aot_compile
+
+    if args.platform != "tpu":
+        raise ValueError(f"--platform {args.platform}: only tpu compiles deviceless here")
+    reports = aot_compile(
+        args.model,
+        topology=args.topology,
+        dtype=args.dtype if args.dtype != "auto" else "bfloat16",
+        engine=_engine_fields(args),
+        buckets=args.buckets,
+        serialize=args.serialize,
+        say=lambda line: print(line, flush=True),
+    )
+    return 0 if reports else 1
+
+
+def cmd_convert(args) -> int:
+    from jaxmamba.model.orbax_io import convert_checkpoint
+
+    start = time.perf_counter()
+    out = convert_checkpoint(args.src, args.dst, dtype=args.dtype)
+    print(f"wrote the Orbax checkpoint {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def add_more_parsers(sub, add_model_args, add_engine_args) -> None:
+    aot = sub.add_parser(
+        "aot",
+        help="compile every bucket's step for a TPU topology without a TPU (libtpu) and "
+        "report memory against HBM, FLOPs and estimated step times",
+    )
+    add_model_args(aot)
+    add_engine_args(aot)
+    _add_if_missing(aot, "--max-prefill-seqs", type=int)
+    _add_if_missing(aot, "--page-size", type=int)
+    aot.add_argument("--platform", default="tpu", choices=["tpu"])
+    aot.add_argument("--topology", default="v6e:2x2", help="v5e:2x2, v6e:2x2, v5p:2x2x1, ...")
+    aot.add_argument("--buckets", type=_bucket, nargs="+", help="only these TxBxD buckets")
+    aot.add_argument("--serialize", help="a folder for the compiled executables")
+    aot.set_defaults(func=cmd_aot)
+    conv = sub.add_parser("convert", help="an HF checkpoint -> an Orbax checkpoint directory")
+    conv.add_argument("--from", dest="src", required=True, help="HF checkpoint directory")
+    conv.add_argument("--to", dest="dst", required=True, help="the directory to create")
+    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    conv.set_defaults(func=cmd_convert)

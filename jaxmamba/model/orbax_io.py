@@ -8,6 +8,7 @@ rather than a tensorstore traceback.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,51 @@ def restore_params(path: str | os.PathLike, expected: dict | None = None, shardi
 
     abstract = nest({k: target(k, s, d) for k, (s, d) in found.items()})
     return _orbax().StandardCheckpointer().restore(path, abstract)
+
+
+CONVERTED_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                   "tokenizer_config.json", "special_tokens_map.json")  # fmt: skip
+ORBAX_SUBDIR = "orbax"  # where a converted checkpoint keeps its weights
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "auto"):
+    """An HF checkpoint directory -> `dst/` with its config and tokenizer files and the
+    weights (in the engine's layout, `dtype`: "auto" keeps the checkpoint's) as an Orbax
+    checkpoint in `dst/orbax`; `LLM(dst)` restores it. Returns `dst`."""
+    import shutil
+
+    from jaxmamba.config import ModelConfig
+    from jaxmamba.llm import DTYPES, resolve_dtype
+    from jaxmamba.model.loader import load_hf_checkpoint
+    from jaxmamba.model.params import param_shapes
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise ValueError(f"{dst} exists: pick a new directory")
+    cfg = ModelConfig.load(str(src))
+    jdtype = DTYPES[resolve_dtype(dtype, str(src))]
+    params = load_hf_checkpoint(src, cfg, dtype=jdtype, expected=param_shapes(cfg, jdtype))
+    dst.mkdir(parents=True)
+    for name in CONVERTED_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    config = json.loads((dst / "config.json").read_text())
+    config["torch_dtype"] = np.dtype(jdtype).name  # what dtype="auto" then restores
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_params(dst / ORBAX_SUBDIR, params)
+    return dst
+
+
+def is_orbax_model(path: str | os.PathLike) -> bool:
+    """A `convert_checkpoint` directory (config.json and an Orbax checkpoint)."""
+    p = Path(path)
+    return (p / ORBAX_SUBDIR).is_dir() and (p / "config.json").is_file()
+
+
+def load_orbax_model(path: str | os.PathLike, cfg, dtype, sharding=None):
+    """The params of a `convert_checkpoint` directory, checked against `cfg`'s shapes in
+    `dtype` (missing, extra or mis-shaped tensors are named)."""
+    from jaxmamba.model.params import param_shapes
+
+    expected = flat_specs(param_shapes(cfg, dtype))
+    return restore_params(Path(path) / ORBAX_SUBDIR, expected, sharding)
