@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pickle
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ class ProgramReport:
     bytes_accessed: float
     est_step_s: float
     compile_s: float
+    kernels: tuple[str, ...] = ()  # the Mosaic (Pallas TPU) kernels the program calls
 
     @property
     def fits(self) -> bool:
@@ -57,7 +59,8 @@ class ProgramReport:
             f"cache {_size(self.cache)}  temp {_size(self.temp)}  total "
             f"{_size(self.total)} / {self.hbm / 2**30:.2f} GiB {'fits' if self.fits else 'OOM '}  "
             f"{self.flops / 1e9:10.2f} GFLOP {_size(self.bytes_accessed)} moved  "
-            f"≥ {self.est_step_s * 1e3:8.3f} ms/step  (compiled in {self.compile_s:.1f} s)"
+            f"≥ {self.est_step_s * 1e3:8.3f} ms/step  kernels {','.join(self.kernels) or '-'}  "
+            f"(compiled in {self.compile_s:.1f} s)"
         )
 
 
@@ -161,7 +164,9 @@ def aot_compile(
             donate_argnums=(1, 2),
         )  # fmt: skip
         start = time.perf_counter()
-        compiled = fn.lower(*flat).compile()
+        lowered = fn.lower(*flat)
+        kernels = tuple(sorted(set(re.findall(r'kernel_name = "([^"]+)"', lowered.as_text()))))
+        compiled = lowered.compile()
         elapsed = time.perf_counter() - start
         mem = compiled.memory_analysis()
         cost = compiled.cost_analysis()
@@ -175,7 +180,7 @@ def aot_compile(
         moved = float(cost.get("bytes accessed", 0.0))
         report = ProgramReport(
             dataclasses.astuple(bucket), weights, cache, temp, args + temp + unaliased, hbm,
-            flops, moved, max(flops / peak_flops, moved / peak_bw), elapsed,
+            flops, moved, max(flops / peak_flops, moved / peak_bw), elapsed, kernels,
         )  # fmt: skip
         reports.append(report)
         say(report.line())
