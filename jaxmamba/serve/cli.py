@@ -44,6 +44,10 @@ def add_parser(sub, add_model_args, add_engine_args) -> argparse.ArgumentParser:
         action="store_true",
         help="compile every step bucket before serving (no compile under load)",
     )
+    if "--compilation-cache-dir" not in p._option_string_actions:
+        from jaxmamba.export.cli import add_cache_args
+
+        add_cache_args(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
     return p
