@@ -84,7 +84,9 @@ def cmd_generate(args) -> int:
     from jaxmamba import SamplingParams
 
     llm = _llm(args)
-    print(llm.cache_plan.describe(), file=sys.stderr)
+    plan = getattr(llm, "cache_plan", None)  # an exported artifact's LLM brings its own sizes
+    if plan is not None:
+        print(plan.describe(), file=sys.stderr)
     prompts = args.prompt or ["def main(", "import os\n", "class Config:\n    def "]
     # One seed per prompt: with a shared seed, requests draw the same random numbers.
     params = [
