@@ -83,6 +83,34 @@ def test_greedy_and_logprobs_match_numpy():
     np.testing.assert_allclose(np.asarray(out.top_logprobs), expected, atol=1e-5)
 
 
+def test_padding_of_stop_and_bias_ids_never_touches_the_last_token():
+    """Rows whose min_tokens mask and logit_bias lists are all padding must leave every
+    logit as it was: the last token (id V-1) included, where a wrapped -1 would land."""
+    vocab, rows = 50, 3
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits[:, -1] = 10.0  # the last id is every row's greedy choice
+    pad = lambda width: jnp.full((rows, width), -1, jnp.int32)  # noqa: E731
+    zeros_i, zeros_f = jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.float32)
+    out = sample(
+        jnp.asarray(logits), zeros_f, jnp.ones(rows), zeros_i, jnp.zeros(rows, jnp.uint32),
+        zeros_i, min_p=zeros_f, min_tokens=jnp.array([0, 5, 5], jnp.int32), stop_ids=pad(4),
+        bias_ids=pad(4), bias_values=jnp.ones((rows, 4), jnp.float32),
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out.tokens), [vocab - 1] * rows)
+    # A real stop id is still masked while below min_tokens, and a real bias still applies.
+    stop = pad(4).at[1, 0].set(vocab - 1)
+    bias_ids = pad(4).at[2, 0].set(7)
+    bias_values = jnp.zeros((rows, 4), jnp.float32).at[2, 0].set(100.0)
+    out = sample(
+        jnp.asarray(logits), zeros_f, jnp.ones(rows), zeros_i, jnp.zeros(rows, jnp.uint32),
+        zeros_i, min_p=zeros_f, min_tokens=jnp.array([0, 5, 5], jnp.int32), stop_ids=stop,
+        bias_ids=bias_ids, bias_values=bias_values,
+    )  # fmt: skip
+    second = int(np.argsort(-logits[1])[1])
+    np.testing.assert_array_equal(np.asarray(out.tokens), [vocab - 1, second, 7])
+
+
 BAD_VALUES = [
     ("temperature", float("nan"), ValueError, "finite"),
     ("temperature", float("inf"), ValueError, "finite"),

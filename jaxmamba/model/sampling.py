@@ -140,12 +140,16 @@ def process_logits(
     bias_ids: jax.Array,  # i32[B, MAX_LOGIT_BIAS] -1 = pad
     bias_values: jax.Array,  # f32[B, MAX_LOGIT_BIAS]
 ) -> jax.Array:
-    """f32[B, V]: logit_bias added, and stop ids at -inf while a row is below min_tokens."""
+    """f32[B, V]: logit_bias added, and stop ids at -inf while a row is below min_tokens.
+
+    Unused entries are sent to index V, past the end, where `mode="drop"` drops them: a
+    negative index would wrap to V-1 (NumPy indexing) and hit the last token."""
+    vocab = logits.shape[-1]
     rows = jnp.arange(logits.shape[0])[:, None]
-    bias = jnp.where(bias_ids >= 0, bias_values, 0.0)
-    logits = logits.at[rows, bias_ids].add(bias, mode="drop")
+    bias_ids = jnp.where(bias_ids >= 0, bias_ids, vocab)
+    logits = logits.at[rows, bias_ids].add(bias_values, mode="drop")
     masking = (counters < min_tokens)[:, None] & (stop_ids >= 0)
-    stop_ids = jnp.where(masking, stop_ids, -1)
+    stop_ids = jnp.where(masking, stop_ids, vocab)
     return logits.at[rows, stop_ids].set(-jnp.inf, mode="drop")
 
 
