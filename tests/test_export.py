@@ -171,3 +171,36 @@ def test_decode_step_exports_for_cuda_with_small_m_matmul(tiny):
     linears = 2 * cfg.num_mamba_layers + 4 * cfg.num_attention_layers
     linears += 2 * cfg.layer_types.count("mlp")
     assert module.count("small_m_matmul") >= linears
+
+
+def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):
+    """`jaxmamba export --platforms cuda,tpu --no-weights`: every bucket of the engine is
+    exported for both, each step calls that platform's kernels, and the manifest lists it."""
+    import json
+
+    from jaxmamba.cli import main
+    from jaxmamba.engine.config import EngineConfig
+    from jaxmamba.engine.scheduler import Scheduler
+
+    out = tmp_path / "art"
+    argv = ["export", "--model", "nemotron-h-tiny", "--out", str(out), "--platforms", "cuda,tpu",
+            "--no-weights", "--max-num-seqs", "1", "--max-model-len", "32",
+            "--max-num-batched-tokens", "16"]  # fmt: skip
+    assert main(argv) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["weights"] is None and not (out / "weights").exists()
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    engine = EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=16)
+    expected = Scheduler(cfg, engine.for_chunk_size(cfg.chunk_size)).all_buckets()
+    assert [(b["num_tokens"], b["num_rows"], b["num_decode"]) for b in manifest["buckets"]] == [
+        (b.num_tokens, b.num_rows, b.num_decode) for b in expected
+    ]
+    for entry in manifest["buckets"]:
+        for platform in ("cuda", "tpu"):
+            blob = (out / entry["files"][platform]["path"]).read_bytes()
+            exported = jax.export.deserialize(bytearray(blob))
+            assert exported.platforms == (platform,)
+            assert MARKERS[platform] in exported.mlir_module()
+            assert [list(a.shape) for a in exported.in_avals] == [
+                a["shape"] for a in entry["inputs"]
+            ]
