@@ -106,3 +106,28 @@ def test_moe_step_compiles_once_for_any_routing(grouped):
         outs = [apply(variables, xk) for xk in xs]
     assert apply._cache_size() == 1
     assert all(bool(jnp.isfinite(o).all()) for o in outs)
+
+
+@pytest.mark.parametrize("activation, width", [("relu2", 24), ("silu_glu", 48)])
+def test_gathered_and_ragged_expert_matmuls_agree(activation, width):
+    from jaxmamba.model.moe import gathered_experts, grouped_experts
+
+    X, k, E, F, T = 8, 2, 16, 24, 11
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    x = jax.random.normal(keys[0], (T, E))
+    w_up = jax.random.normal(keys[1], (X, E, width)) / 4
+    w_down = jax.random.normal(keys[2], (X, F, E)) / 5
+    weights = jax.random.uniform(keys[3], (T, k))
+    idx = jax.lax.top_k(jax.random.normal(keys[4], (T, X)), k)[1]
+    assert T * k > X  # grouped_experts takes the ragged_dot path here
+    ragged = grouped_experts(x, weights, idx, w_up, w_down, activation, jnp.float32)
+    gathered = gathered_experts(x, weights, idx, w_up, w_down, activation, jnp.float32)
+    np.testing.assert_allclose(np.asarray(gathered), np.asarray(ragged), rtol=2e-5, atol=2e-5)
+    # A plain loop over tokens and their experts.
+    act = (lambda h: np.square(np.maximum(h, 0))) if activation == "relu2" else (
+        lambda h: h[:F] / (1 + np.exp(-h[:F])) * h[F:]
+    )  # fmt: skip
+    xn, un, dn, wn, ix = map(np.asarray, (x, w_up, w_down, weights, idx))
+    ref = np.stack([sum(wn[t, j] * (act(xn[t] @ un[ix[t, j]]) @ dn[ix[t, j]])
+                        for j in range(k)) for t in range(T)])  # fmt: skip
+    np.testing.assert_allclose(np.asarray(ragged), ref, rtol=1e-4, atol=1e-4)

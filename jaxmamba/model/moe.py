@@ -2,10 +2,18 @@
 experts run as grouped matmuls over the tokens sorted by expert, plus an optional shared
 expert that every token goes through.
 
-Static shapes throughout: the `T·k` (token, expert) assignments are sorted by expert id and
-`jax.lax.ragged_dot` multiplies each contiguous group by its expert's weights, with the group
-sizes a device array (`bincount` with a fixed length). A new routing changes values, never
-shapes, so nothing recompiles and nothing waits for the host.
+Static shapes throughout, two formulations picked by the step's (static) token count:
+
+* `T·k <= X` (decode buckets): each assignment gathers its expert's weights and runs a
+  batched matvec, so a step reads only the routed experts' weights;
+* otherwise the assignments are sorted by expert id and `jax.lax.ragged_dot` multiplies each
+  contiguous group by its expert's weights, the group sizes a device array (`bincount` with a
+  fixed length).
+
+A new routing changes values, never shapes, so nothing recompiles and nothing waits for the
+host. On the H200 (JAX 0.11.2) XLA's `ragged_dot` costs as much as every expert densely
+(docs/benchmarks.md, "Model families (issue 18)"): fast MoE prefill needs a grouped-GEMM
+kernel.
 
 Letters: T tokens, E hidden, X experts, k experts per token, F expert width.
 """
@@ -67,9 +75,12 @@ def grouped_experts(
     activation: str,
     dtype: Dtype,
 ) -> jax.Array:
-    """`sum_j weights[t, j] · expert_{idx[t, j]}(x[t])` as f32[T, E], by two `ragged_dot`s over
-    the assignments sorted by expert."""
+    """`sum_j weights[t, j] · expert_{idx[t, j]}(x[t])` as f32[T, E]: gathered expert weights
+    when there are at most as many assignments as experts, else two `ragged_dot`s over the
+    assignments sorted by expert."""
     T, k = idx.shape
+    if T * k <= w_up.shape[0]:
+        return gathered_experts(x, weights, idx, w_up, w_down, activation, dtype)
     flat = idx.reshape(-1)  # [T·k]
     order = jnp.argsort(flat, stable=True)
     token = order // k  # the token of each sorted assignment
@@ -83,6 +94,22 @@ def grouped_experts(
                        preferred_element_type=jnp.float32)  # fmt: skip
     y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+
+
+def gathered_experts(x, weights, idx, w_up, w_down, activation: str, dtype) -> jax.Array:
+    """`grouped_experts` for few assignments: each (token, expert) pair reads its expert's
+    weights (a gather), so only routed experts are read."""
+    T, k = idx.shape
+    precision = matmul_precision(dtype)
+    flat = idx.reshape(-1)  # [T·k]
+    xs = jnp.repeat(x.astype(dtype), k, axis=0)  # [T·k, E]
+    h = jnp.einsum("ae,aef->af", xs, w_up.astype(dtype)[flat], precision=precision,
+                   preferred_element_type=jnp.float32)  # fmt: skip
+    h = activate(h, activation).astype(dtype)
+    y = jnp.einsum("af,afe->ae", h, w_down.astype(dtype)[flat], precision=precision,
+                   preferred_element_type=jnp.float32)  # fmt: skip
+    y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[:, None]
+    return y.reshape(T, k, -1).sum(axis=1)
 
 
 class MoE(nn.Module):
