@@ -138,7 +138,9 @@ def test_manifest_lists_every_bucket_with_shapes(artifact):
         step_inputs = b["inputs"][n_in:]
         assert len(step_inputs) == len(m["input_fields"])
         assert step_inputs[0] == {"shape": [b["num_tokens"]], "dtype": "int32"}  # input_ids
-        assert b["outputs"][0]["shape"][0] == b["num_rows"]  # packed samples, one per row
+        # The packed samples (their layout is the step's), then the donated cache and state.
+        state = m["state"]["cache"] + m["state"]["slot_state"]
+        assert b["outputs"][1:] == state and b["inputs"][m["state"]["params"] : n_in] == state
         assert len(b["in_shardings"]) == len(b["inputs"]) and b["num_devices"] == 1
     assert (Path(artifact) / "tokenizer" / "tokenizer.json").is_file()
 
