@@ -109,8 +109,8 @@ def test_moe_step_compiles_once_for_any_routing(grouped):
 
 
 @pytest.mark.parametrize("activation, width", [("relu2", 24), ("silu_glu", 48)])
-def test_gathered_and_ragged_expert_matmuls_agree(activation, width):
-    from jaxmamba.model.moe import gathered_experts, grouped_experts
+def test_gathered_blocked_and_ragged_expert_matmuls_agree(activation, width):
+    from jaxmamba.model.moe import blocked_experts, gathered_experts, grouped_experts
 
     X, k, E, F, T = 8, 2, 16, 24, 11
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
@@ -120,9 +120,13 @@ def test_gathered_and_ragged_expert_matmuls_agree(activation, width):
     weights = jax.random.uniform(keys[3], (T, k))
     idx = jax.lax.top_k(jax.random.normal(keys[4], (T, X)), k)[1]
     assert T * k > X  # grouped_experts takes the ragged_dot path here
-    ragged = grouped_experts(x, weights, idx, w_up, w_down, activation, jnp.float32)
-    gathered = gathered_experts(x, weights, idx, w_up, w_down, activation, jnp.float32)
+    args = (x, weights, idx, w_up, w_down, activation, jnp.float32)
+    ragged = grouped_experts(*args, impl="ragged")
+    gathered = gathered_experts(*args)
     np.testing.assert_allclose(np.asarray(gathered), np.asarray(ragged), rtol=2e-5, atol=2e-5)
+    for block in (1, 4, 16):  # blocks smaller and larger than the groups
+        blocked = blocked_experts(*args, block=block)
+        np.testing.assert_allclose(np.asarray(blocked), np.asarray(ragged), rtol=2e-5, atol=2e-5)
     # A plain loop over tokens and their experts.
     act = (lambda h: np.square(np.maximum(h, 0))) if activation == "relu2" else (
         lambda h: h[:F] / (1 + np.exp(-h[:F])) * h[F:]

@@ -6,14 +6,15 @@ Static shapes throughout, two formulations picked by the step's (static) token c
 
 * `T·k <= X` (decode buckets): each assignment gathers its expert's weights and runs a
   batched matvec, so a step reads only the routed experts' weights;
-* otherwise the assignments are sorted by expert id and `jax.lax.ragged_dot` multiplies each
-  contiguous group by its expert's weights, the group sizes a device array (`bincount` with a
-  fixed length).
+* otherwise the assignments are sorted by expert id, each expert's group padded to whole
+  row blocks, and a loop over the blocks runs one expert's matmuls per block
+  (`blocked_experts`); on TPU, `jax.lax.ragged_dot` over the sorted groups instead (the
+  group sizes a device array, `bincount` with a fixed length).
 
 A new routing changes values, never shapes, so nothing recompiles and nothing waits for the
 host. On the H200 (JAX 0.11.2) XLA's `ragged_dot` costs as much as every expert densely
-(docs/benchmarks.md, "Model families (issue 18)"): fast MoE prefill needs a grouped-GEMM
-kernel.
+(docs/benchmarks.md, "Model families (issue 18)"); the blocked loop has not been timed there
+yet, and a grouped-GEMM kernel is the way to the roofline.
 
 Letters: T tokens, E hidden, X experts, k experts per token, F expert width.
 """
@@ -74,13 +75,23 @@ def grouped_experts(
     w_down: jax.Array,  # [X, F, E]
     activation: str,
     dtype: Dtype,
+    impl: str = "auto",
 ) -> jax.Array:
-    """`sum_j weights[t, j] · expert_{idx[t, j]}(x[t])` as f32[T, E]: gathered expert weights
-    when there are at most as many assignments as experts, else two `ragged_dot`s over the
-    assignments sorted by expert."""
+    """`sum_j weights[t, j] · expert_{idx[t, j]}(x[t])` as f32[T, E].
+
+    At most as many assignments as experts: gathered expert weights. Otherwise `impl`
+    "ragged" (two `ragged_dot`s over the assignments sorted by expert; "auto" on TPU, where
+    XLA lowers it to a grouped matmul) or "blocked" (`blocked_experts`; "auto" elsewhere:
+    on the H200 XLA's `ragged_dot` costs every expert densely, docs/benchmarks.md)."""
     T, k = idx.shape
     if T * k <= w_up.shape[0]:
         return gathered_experts(x, weights, idx, w_up, w_down, activation, dtype)
+    if impl == "auto":
+        impl = "ragged" if jax.default_backend() == "tpu" else "blocked"
+    if impl == "blocked":
+        return blocked_experts(x, weights, idx, w_up, w_down, activation, dtype)
+    if impl != "ragged":
+        raise ValueError(f"grouped_experts impl={impl!r}: expected 'auto', 'ragged' or 'blocked'")
     flat = idx.reshape(-1)  # [T·k]
     order = jnp.argsort(flat, stable=True)
     token = order // k  # the token of each sorted assignment
@@ -94,6 +105,51 @@ def grouped_experts(
                        preferred_element_type=jnp.float32)  # fmt: skip
     y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+
+
+# Rows per block of `blocked_experts`: each block is one expert's [BLOCK, E] x [E, F] matmul.
+BLOCK_ROWS = 256
+
+
+def blocked_experts(x, weights, idx, w_up, w_down, activation: str, dtype,
+                    block: int = BLOCK_ROWS) -> jax.Array:  # fmt: skip
+    """`grouped_experts` as a loop over row blocks of one expert each: the assignments sorted
+    by expert, every expert's group padded to a multiple of `block` rows, then one
+    `[block, E] x [E, F]` matmul pair per block with its expert's weights (a dynamic slice,
+    nothing gathered). Static sizes: `T·k + X·(block-1)` rows at most, so at most
+    `X·(block-1)` padding rows of work beyond the routed FLOPs; weights are read once per
+    block."""
+    T, k = idx.shape
+    X, E = w_up.shape[0], x.shape[-1]
+    A = T * k
+    nb = -(-(A + X * (block - 1)) // block)  # blocks, static
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]  # [A] sorted
+    sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    padded_start = padded_end - padded
+    group_start = jnp.cumsum(sizes) - sizes
+    dest = padded_start[expert] + jnp.arange(A, dtype=jnp.int32) - group_start[expert]  # [A]
+    rows = jnp.full((nb * block,), T, jnp.int32).at[dest].set(order // k)  # T: a zero row
+    xp = jnp.concatenate([x.astype(dtype), jnp.zeros((1, E), dtype)])[rows]
+    xp = xp.reshape(nb, block, E)
+    starts = jnp.arange(nb, dtype=jnp.int32) * block
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), X - 1)
+    precision = matmul_precision(dtype)
+    w_up, w_down = w_up.astype(dtype), w_down.astype(dtype)
+
+    def one_block(args):
+        xb, e = args
+        h = jnp.dot(xb, w_up[e], precision=precision, preferred_element_type=jnp.float32)
+        h = activate(h, activation).astype(dtype)
+        y = jnp.dot(h, w_down[e], precision=precision, preferred_element_type=jnp.float32)
+        return y.astype(dtype)
+
+    y = lax.map(one_block, (xp, block_expert)).reshape(nb * block, E)[dest]  # [A, E]
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((T, E), jnp.float32).at[order // k].add(y)
 
 
 def gathered_experts(x, weights, idx, w_up, w_down, activation: str, dtype) -> jax.Array:
