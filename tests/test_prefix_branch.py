@@ -195,23 +195,24 @@ def test_multi_turn_chat_keeps_hitting(hf_model, llm_off):
 
 def test_eviction_pressure_gives_every_slot_and_page_back(hf_model, llm_off):
     path, model = hf_model
-    # 6 running slots + 2 for checkpoints; pages for 6 sequences and a little more.
-    llm = make_llm(path, num_state_slots=8, num_pages=6 * 20 + 12)
+    # 12 slots (6 for running requests, 6 for checkpoints) and 240 pages (120 reserved by 6
+    # running requests at most): 15 prompts from 4 families and 3 loners overflow both.
+    llm = make_llm(path)
     rng = np.random.default_rng(5)
     families = [shared_prompts(10 + f, n=3, shared=int(rng.integers(40, 120))) for f in range(4)]
     prompts = [p for triple in zip(*families, strict=True) for p in triple]
-    prompts += [random_ids(rng, 150) for _ in range(3)]
-    for _ in range(2):
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy())
-        assert tokens(outs) == tokens(
-            llm_off.generate(prompt_token_ids=prompts, sampling_params=greedy())
-        )
+    prompts += [random_ids(rng, 250) for _ in range(3)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy())
+    assert tokens(outs) == tokens(
+        llm_off.generate(prompt_token_ids=prompts, sampling_params=greedy())
+    )
     stats = llm.stats()
     assert stats["prefix_cache_evicted_checkpoints"] > 0
+    assert stats["prefix_cache_evicted_nodes"] > 0
     assert stats["prefix_cache_hits"] > 0
+    assert (stats["state_slots"], stats["state_slots_running"]) == (12, 6)
     # Nothing runs now: every slot is free or holds a checkpoint.
-    assert stats["prefix_cache_checkpoint_slots_in_use"] + stats["free_slots"] == 8
-    assert (stats["state_slots"], stats["state_slots_running"]) == (8, 6)
+    assert stats["prefix_cache_checkpoint_slots_in_use"] + stats["free_slots"] == 12
     for prompt, ours in zip(prompts[:3], tokens(outs[:3]), strict=True):
         assert_greedy_under_hf(model, prompt, ours[:HF_TOKENS])
     assert_nothing_leaks(llm)
