@@ -46,14 +46,20 @@ class ProgramReport:
     est_step_s: float
     compile_s: float
     kernels: tuple[str, ...] = ()  # the Mosaic (Pallas TPU) kernels the program calls
+    error: str = ""  # XLA's refusal (out of HBM): the sizes are then unknown
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.hbm
+        return not self.error and self.total <= self.hbm
 
     def line(self) -> str:
         t, b, d = self.bucket
         kind = "decode" if d == b else ("mixed" if d else "prefill")
+        if self.error:
+            return (
+                f"T={t:<5} B={b:<3} decode={d:<3} {kind:<7} weights {_size(self.weights)}  "
+                f"cache {_size(self.cache)}  OOM: {self.error}"
+            )
         return (
             f"T={t:<5} B={b:<3} decode={d:<3} {kind:<7} weights {_size(self.weights)}  "
             f"cache {_size(self.cache)}  temp {_size(self.temp)}  total "
@@ -166,7 +172,19 @@ def aot_compile(
         start = time.perf_counter()
         lowered = fn.lower(*flat)
         kernels = tuple(sorted(set(re.findall(r'kernel_name = "([^"]+)"', lowered.as_text()))))
-        compiled = lowered.compile()
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # XLA refuses a program that cannot fit: report it and go on to the next bucket.
+            report = ProgramReport(
+                dataclasses.astuple(bucket), weights, cache, -1, -1, hbm, 0.0, 0.0, 0.0,
+                time.perf_counter() - start, kernels, str(e).splitlines()[0],
+            )  # fmt: skip
+            reports.append(report)
+            say(report.line())
+            continue
         elapsed = time.perf_counter() - start
         mem = compiled.memory_analysis()
         cost = compiled.cost_analysis()
