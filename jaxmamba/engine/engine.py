@@ -251,6 +251,7 @@ class LLMEngine:
                 scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
             )
             packed = self.runner.step(inputs, scheduled.bucket.num_decode)
+        self.scheduler.record_dispatched(scheduled)
         self._count(scheduled)
         return scheduled, packed
 
@@ -273,7 +274,7 @@ class LLMEngine:
         deltas: dict[str, list[CompletionOutput]] = {}
         for i, row in enumerate(step.rows):
             req = row.request
-            for slot, length in row.checkpoints:
+            for slot, length in row.output_checkpoints:
                 if req.finished:
                     self.scheduler.drop_checkpoint(req, slot)
                 else:
@@ -389,7 +390,7 @@ class LLMEngine:
         if self._inflight is not None:
             jax.block_until_ready(self._inflight[1])
             for row in self._inflight[0].rows:
-                for slot, _ in row.checkpoints:
+                for slot, _ in row.output_checkpoints:
                     self.scheduler.drop_checkpoint(row.request, slot)
             self._inflight = None
         for req in list(self.scheduler.running):

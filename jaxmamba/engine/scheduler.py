@@ -42,6 +42,17 @@ class ScheduledRow:
     # (slot, length): the step writes the state after `length` tokens into `slot`
     checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
+    @property
+    def prompt_checkpoints(self) -> list[tuple[int, int]]:
+        """Checkpoints of prompt prefixes: the tree takes them as soon as the step is
+        dispatched (`Scheduler.record_dispatched`)."""
+        return [c for c in self.checkpoints if c[1] <= self.request.prompt_len]
+
+    @property
+    def output_checkpoints(self) -> list[tuple[int, int]]:
+        """Checkpoints that cover sampled tokens: recorded once the host has read them."""
+        return [c for c in self.checkpoints if c[1] > self.request.prompt_len]
+
 
 @dataclass
 class ScheduledStep:
@@ -306,6 +317,15 @@ class Scheduler:
             return ()
         eos = () if p.ignore_eos else self.model_cfg.eos_token_ids
         return tuple(dict.fromkeys((*eos, *p.stop_token_ids)))
+
+    def record_dispatched(self, step: ScheduledStep) -> None:
+        """Right after a step is dispatched: hand its prompt checkpoints to the tree. The
+        device writes them before any later step reads them (each step consumes the cache the
+        previous one returned), and their tokens are prompt tokens the host already has, so a
+        request held for one is admitted in the very next step."""
+        for row in step.rows:
+            for slot, length in row.prompt_checkpoints:
+                self.record_checkpoint(row.request, length, slot)
 
     def drop_checkpoint(self, req: Request, slot: int) -> None:
         """A step wrote a checkpoint for a request that has finished since: free its slot."""
