@@ -64,6 +64,7 @@ def cmd_export(args) -> int:
         engine=_engine_fields(args),
         weights=args.weights,
         overwrite=args.overwrite,
+        executables=args.executables,
         progress=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(f"wrote {out} ({', '.join(platforms)}) in {time.perf_counter() - start:.1f} s")
@@ -94,6 +95,12 @@ def add_parsers(sub, add_model_args, add_engine_args) -> None:
         help="leave the weights out (serve with LLM(DIR, params=...))",
     )
     exp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    exp.add_argument(
+        "--executables",
+        action="store_true",
+        help="also store every step compiled for this machine (its platform must be in "
+        "--platforms): the same device kind and jaxlib then start without compiling",
+    )
     exp.set_defaults(func=cmd_export)
     add_more_parsers(sub, add_model_args, add_engine_args)
 

@@ -55,6 +55,7 @@ class ArtifactRunner:
         self._entries = {_bucket_key(e): e for e in artifact.buckets()}
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._lock = threading.Lock()
+        self.loaded_executables = 0  # steps loaded compiled (`export --executables`)
 
     def _check_state(self) -> None:
         """The cache and sampler state the manifest lists are what its `model` and `cache`
@@ -127,7 +128,7 @@ class ArtifactRunner:
     def num_compiles(self) -> int:
         """Compiled executables of this runner's exported steps (one per bucket it ran or
         precompiled; none is traced from the model code)."""
-        return sum(fn._cache_size() for fn in self._steps.values())
+        return sum(fn._cache_size() for fn in self._steps.values() if hasattr(fn, "_cache_size"))
 
     def buckets(self) -> list[tuple[int, int, int]]:
         return list(self._entries)
@@ -154,10 +155,28 @@ class ArtifactRunner:
         except Exception as e:
             raise ArtifactError(f"{path}: corrupted: jax.export cannot read it ({e})") from e
         _check_exported(exported, entry, key, self.platform, self.artifact.where)
-        fn = jax.jit(exported.call, donate_argnums=(1, 2))
+        fn = self._load_executable(entry, key) or jax.jit(exported.call, donate_argnums=(1, 2))
         with self._lock:
             self._steps.setdefault(key, fn)
         return self._steps[key]
+
+    def _load_executable(self, entry: dict, key):
+        """The bucket's serialized compiled step, if the artifact has one for this platform
+        and device (`export --executables`); None otherwise. Loading unpickles: artifacts are
+        trusted files (their sha256 is checked, their origin is not)."""
+        import pickle
+
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        from jaxmamba.export.writer import device_key
+
+        stored = entry.get("executables", {}).get(self.platform)
+        if stored is None or stored["device"] != device_key():
+            return None
+        path = self.artifact.file(stored["path"], stored["sha256"])
+        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        self.loaded_executables += 1
+        return deserialize_and_load(payload, in_tree, out_tree)
 
     def load_steps(self) -> None:
         """Read, check (sha256, platform, shapes) and deserialize every bucket's step now."""
@@ -175,6 +194,8 @@ class ArtifactRunner:
 
     def _compile(self, key, inputs) -> None:
         fn = self._step(key)
+        if not hasattr(fn, "lower"):
+            return  # a loaded executable: nothing to compile
         fn.lower(self.params, self.cache, self.slot_state, jax.tree.leaves(inputs)).compile()
 
     def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None):

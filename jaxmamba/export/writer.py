@@ -22,6 +22,7 @@ from jaxmamba.export.artifact import (
     PLATFORM_IMPLS,
     UNSTABLE_CUSTOM_CALLS,
     bucket_name,
+    runtime_platform,
     sha256,
 )
 
@@ -37,6 +38,27 @@ def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_dec
             zip(trees, (params, cache, slot_state, inputs), strict=True)]  # fmt: skip
     packed, cache, slot_state = step_fn(*args, model=model, spec=spec, num_decode=num_decode)
     return packed, jax.tree.leaves(cache), jax.tree.leaves(slot_state)
+
+
+def device_key() -> str:
+    """What a serialized executable is bound to: jaxlib and the first device's kind."""
+    import jaxlib
+
+    return f"jaxlib {jaxlib.__version__} {jax.devices()[0].device_kind}"
+
+
+def compile_serialized(exported) -> bytes:
+    """`exported`'s step compiled for this machine, as bytes (pickled
+    `serialize_executable` payload and pytrees)."""
+    import pickle
+
+    from jax.experimental.serialize_executable import serialize
+
+    args, _ = jax.tree.unflatten(
+        exported.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
+    )
+    compiled = jax.jit(exported.call, donate_argnums=(1, 2)).lower(*args).compile()
+    return pickle.dumps(serialize(compiled))
 
 
 def _aval(x) -> dict:
@@ -96,6 +118,7 @@ def export_artifact(
     buckets: Sequence | None = None,
     params=None,
     overwrite: bool = False,
+    executables: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Export `model` (a preset, YAML or HF checkpoint) served with the `engine` settings
@@ -104,7 +127,9 @@ def export_artifact(
     `buckets`: the `Bucket`s to export (default: every bucket the scheduler can use, what
     `precompile` compiles); an artifact serves only steps of the buckets it holds.
     `weights=False` (`--no-weights`) leaves the weights out: `LLM(out, params=...)` or
-    `weights=` a checkpoint then brings them."""
+    `weights=` a checkpoint then brings them. `executables=True` (`--executables`) also
+    stores each step compiled for this machine's platform and device (when it is among
+    `platforms`): a process on the same device kind and jaxlib loads it without compiling."""
     from jaxmamba.config import ModelConfig, checkpoint_dir
     from jaxmamba.engine.batch import StepBuilder
     from jaxmamba.engine.config import EngineConfig
@@ -175,6 +200,14 @@ def export_artifact(
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(exp.serialize())
             entry["files"][platform] = {"path": rel, "sha256": sha256(tmp / rel)}
+            if executables and platform == runtime_platform():
+                rel_x = rel.replace(".jaxexport", ".executable")
+                (tmp / rel_x).write_bytes(compile_serialized(exp))
+                entry.setdefault("executables", {})[platform] = {
+                    "path": rel_x,
+                    "sha256": sha256(tmp / rel_x),
+                    "device": device_key(),
+                }
             if "inputs" not in entry:
                 entry["inputs"] = [_aval(a) for a in exp.in_avals]
                 entry["outputs"] = [_aval(a) for a in exp.out_avals]

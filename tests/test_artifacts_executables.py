@@ -1,0 +1,77 @@
+"""`export --executables`: the steps compiled for this machine are stored, and `LLM(DIR)` on
+the same device kind and jaxlib loads them instead of compiling (no XLA compile while
+generating), with the live engine's greedy tokens; another device's are not loaded (the
+exported steps are jitted instead)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import pytest
+
+from jaxmamba import LLM, SamplingParams
+from jaxmamba.export.writer import export_artifact
+
+ENGINE = dict(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=8, max_prefill_seqs=1)
+PROMPTS = [[3, 90, 17, 41, 5, 200, 11, 64, 9, 33, 120], [7, 8]]
+SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exe") / "art"
+    # No Orbax weights (another test covers them): the random weights of seed 0, given.
+    return export_artifact("nemotron-h-tiny", out, engine=ENGINE, executables=True, weights=False)
+
+
+@pytest.fixture(scope="module")
+def params():
+    from jaxmamba import ModelConfig
+    from jaxmamba.model.params import init_params
+
+    return init_params(ModelConfig.from_preset("nemotron-h-tiny"), seed=0)
+
+
+def _compiles_while(fn):
+    seen = []
+
+    def listen(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        result = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return result, len(seen)
+
+
+def _tokens(llm):
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert all("cpu" in b["executables"] for b in manifest["buckets"])
+    llm = LLM(str(artifact), compilation_cache=False, params=params)
+    assert llm.runner.loaded_executables == len(manifest["buckets"]) == 3
+    served, compiles = _compiles_while(lambda: _tokens(llm))
+    assert compiles == 0
+    live = LLM("nemotron-h-tiny", compilation_cache=False, seed=0, **ENGINE)
+    expected, live_compiles = _compiles_while(lambda: _tokens(live))
+    assert live_compiles > 0 and served == expected
+
+    # Executables of another device are not loaded: the exported steps compile instead.
+    other = tmp_path / "other"
+    shutil.copytree(artifact, other)
+    m = json.loads((other / "manifest.json").read_text())
+    for b in m["buckets"]:
+        b["executables"]["cpu"]["device"] = "jaxlib 0.0 some other chip"
+    (other / "manifest.json").write_text(json.dumps(m))
+    fallback = LLM(str(other), compilation_cache=False, params=params)
+    assert fallback.runner.loaded_executables == 0
+    assert all(hasattr(fn, "lower") for fn in fallback.runner._steps.values())  # jitted
