@@ -1,4 +1,4 @@
-"""Command line: `jaxmamba generate` (and, later, `bench` / `serve`)."""
+"""Command line: `jaxmamba generate`, `bench`, `serve`, `export`, `aot` and `convert`."""
 
 from __future__ import annotations
 
