@@ -170,9 +170,7 @@ def unpack_prompt_logprobs(packed: np.ndarray, num_rows: int) -> HostSample | No
 def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
     TRACE_COUNTS[(model, spec)] += 1
     meta = build_metadata(model, spec, inputs, num_decode)
-    return model.apply(
-        {"params": params}, inputs.input_ids, cache, meta, method="forward_logits"
-    )
+    return model.apply({"params": params}, inputs.input_ids, cache, meta, method="forward_logits")
 
 
 # Module-level jits with the model and cache spec static: every runner of the same model
