@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -47,6 +48,24 @@ def device_key() -> str:
     return f"jaxlib {jaxlib.__version__} {jax.devices()[0].device_kind}"
 
 
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """Compile afresh inside: an XLA:CPU executable read back from JAX's persistent cache
+    serializes without the runtime functions it links at compile time, and fails to run when
+    loaded ("Function wrapped_exponential not found"). JAX decides once per process whether
+    the cache is used, so that decision is reset on the way in and out (a private API)."""
+    from jax._src import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
 def compile_serialized(exported) -> bytes:
     """`exported`'s step compiled for this machine, as bytes (pickled
     `serialize_executable` payload and pytrees)."""
@@ -57,7 +76,8 @@ def compile_serialized(exported) -> bytes:
     args, _ = jax.tree.unflatten(
         exported.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals]
     )
-    compiled = jax.jit(exported.call, donate_argnums=(1, 2)).lower(*args).compile()
+    with _without_persistent_cache():
+        compiled = jax.jit(exported.call, donate_argnums=(1, 2)).lower(*args).compile()
     return pickle.dumps(serialize(compiled))
 
 
