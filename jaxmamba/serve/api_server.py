@@ -206,6 +206,14 @@ class _Generation:
             yield p, item
         self.close()
 
+    async def run(self) -> None:
+        """Consume every delta; the non-streaming responses then read `seqs`."""
+        try:
+            async for _ in self.outputs():
+                pass
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Abort what is unfinished and free this request's seats (idempotent)."""
         if self._closed:
@@ -376,6 +384,10 @@ class OpenAIServer:
         async def _invalid(request, err: RequestValidationError):
             return _validation_error(err)
 
+        @app.exception_handler(_Disconnected)
+        async def _gone(request, err: _Disconnected):
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request, err: StarletteHTTPException):
             kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
@@ -453,24 +465,13 @@ class OpenAIServer:
         for _, ids in prompts:
             self.check_prompt(ids, req.max_tokens, "prompt")
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-        gen = _Generation(self, request, prompts, params, req.n)
-        try:
-            await gen.start()
-        except _Disconnected:
-            return Response(status_code=499)
+        gen = await self._start(request, prompts, params, req.n)
         head = {"id": f"cmpl-{gen.base_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}  # fmt: skip
         echo = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._stream_completion(gen, head, req, echo, include_usage))
-        try:
-            async for _ in gen.outputs():
-                pass
-        except _Disconnected:
-            return Response(status_code=499)
-        finally:
-            gen.close()
+            return self._stream(gen, head, req, *self._completion_chunks(gen, req, echo))
+        await gen.run()
         choices = []
         for p, seqs in enumerate(gen.seqs):
             for i, seq in enumerate(seqs):
@@ -503,40 +504,34 @@ class OpenAIServer:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
 
-    async def _stream_completion(self, gen: _Generation, head, req, echo, include_usage):
-        chunk = _Chunks(head, include_usage)
+    def _completion_chunks(self, gen: _Generation, req, echo):
+        """The opening choices (the echoed prompts, the prompts' token ids) and the choices of
+        one delta, for a streamed completion."""
+        opening = [
+            {"index": p * req.n + i, "text": e, "logprobs": None, "finish_reason": None,
+             **({"prompt_token_ids": gen.prompts[p][1]} if req.return_token_ids else {})}
+            for p, e in enumerate(echo) for i in range(req.n if e or req.return_token_ids else 0)
+        ]  # fmt: skip
         offsets = [[len(e)] * req.n for e in echo]
-        try:
-            for p, e in enumerate(echo):
-                for i in range(req.n if e or req.return_token_ids else 0):
-                    choice = {"index": p * req.n + i, "text": e, "logprobs": None,
-                              "finish_reason": None}  # fmt: skip
-                    if req.return_token_ids:
-                        choice["prompt_token_ids"] = gen.prompts[p][1]
-                    yield chunk(choice)
-            async for p, out in gen.outputs():
-                for c in out.outputs:
-                    choice = {"index": p * req.n + c.index, "text": c.text or "",
-                              "logprobs": None, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}  # fmt: skip
-                    if req.logprobs is not None and c.logprobs:
-                        lp = self._completion_logprobs(c.token_ids, c.logprobs,
-                                                       offsets[p][c.index])  # fmt: skip
-                        choice["logprobs"] = lp
-                        offsets[p][c.index] += sum(len(t) for t in lp["tokens"])
-                    if req.return_token_ids:
-                        choice["token_ids"] = c.token_ids
-                    yield chunk(choice)
-            if include_usage:
-                yield _data({**head, "choices": [], "usage": gen.usage()})
-        except _Disconnected:
-            return
-        except ApiError as err:
-            yield _data({"error": {"message": err.message, "type": err.type, "param": None,
-                                   "code": err.code}})  # fmt: skip
-        finally:
-            gen.close()
-        yield "data: [DONE]\n\n"
+
+        def choices(p: int, out: RequestOutput):
+            for c in out.outputs:
+                choice = {
+                    "index": p * req.n + c.index,
+                    "text": c.text or "",
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if req.logprobs is not None and c.logprobs:
+                    lp = self._completion_logprobs(c.token_ids, c.logprobs, offsets[p][c.index])
+                    choice["logprobs"] = lp
+                    offsets[p][c.index] += sum(len(t) for t in lp["tokens"])
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                yield choice
+
+        return opening, choices
 
     # -- /v1/chat/completions -----------------------------------------------------------------
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
@@ -572,24 +567,13 @@ class OpenAIServer:
             raise ApiError(400, f"top_logprobs must be an int in [0, 20], got {logprobs}",
                            param="top_logprobs")  # fmt: skip
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
-        gen = _Generation(self, request, [(text, ids)], params, req.n)
-        try:
-            await gen.start()
-        except _Disconnected:
-            return Response(status_code=499)
+        gen = await self._start(request, [(text, ids)], params, req.n)
         head = {"id": f"chatcmpl-{gen.base_id}", "object": "chat.completion",
                 "created": int(time.time()), "model": model}  # fmt: skip
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             head["object"] = "chat.completion.chunk"
-            return _sse(self._stream_chat(gen, head, req, logprobs, include_usage))
-        try:
-            async for _ in gen.outputs():
-                pass
-        except _Disconnected:
-            return Response(status_code=499)
-        finally:
-            gen.close()
+            return self._stream(gen, head, req, *self._chat_chunks(req, logprobs))
+        await gen.run()
         choices = []
         for i, seq in enumerate(gen.seqs[0]):
             choice = {
@@ -621,33 +605,64 @@ class OpenAIServer:
             })  # fmt: skip
         return {"content": content}
 
-    async def _stream_chat(self, gen: _Generation, head, req, logprobs, include_usage):
+    def _chat_chunks(self, req, logprobs: int | None):
+        """The opening choices (the assistant's role) and the choices of one delta, for a
+        streamed chat completion."""
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(req.n)]  # fmt: skip
+
+        def choices(_p: int, out: RequestOutput):
+            for c in out.outputs:
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": c.text or ""},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if logprobs is not None and c.logprobs:
+                    choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, logprobs)
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                yield choice
+
+        return opening, choices
+
+    # -- both routes --------------------------------------------------------------------------
+    async def _start(self, request: Request, prompts, params, n: int) -> _Generation:
+        """Hand the prompts to the engine; returns once it accepted them (a request it refuses
+        raises its 4xx here, before any response starts)."""
+        gen = _Generation(self, request, prompts, params, n)
+        await gen.start()
+        return gen
+
+    def _stream(self, gen: _Generation, head: dict, req, opening, choices) -> StreamingResponse:
+        """Server-sent events: `opening`'s chunks, a chunk per choice of every delta, the usage
+        (with `stream_options.include_usage`), then `[DONE]`. A failure mid-stream is an
+        error event; a client that leaves aborts the generation."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk = _Chunks(head, include_usage)
-        try:
-            for i in range(req.n):
-                choice = {"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}  # fmt: skip
-                yield chunk(choice)
-            async for _, out in gen.outputs():
-                for c in out.outputs:
-                    choice = {"index": c.index, "delta": {"content": c.text or ""},
-                              "logprobs": None, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}  # fmt: skip
-                    if logprobs is not None and c.logprobs:
-                        choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, logprobs)
-                    if req.return_token_ids:
-                        choice["token_ids"] = c.token_ids
+
+        async def events():
+            try:
+                for choice in opening:
                     yield chunk(choice)
-            if include_usage:
-                yield _data({**head, "choices": [], "usage": gen.usage()})
-        except _Disconnected:
-            return
-        except ApiError as err:
-            yield _data({"error": {"message": err.message, "type": err.type, "param": None,
-                                   "code": err.code}})  # fmt: skip
-        finally:
-            gen.close()
-        yield "data: [DONE]\n\n"
+                async for p, out in gen.outputs():
+                    for choice in choices(p, out):
+                        yield chunk(choice)
+                if include_usage:
+                    yield _data({**head, "choices": [], "usage": gen.usage()})
+            except _Disconnected:
+                return
+            except ApiError as err:
+                yield _data({"error": {"message": err.message, "type": err.type, "param": None,
+                                       "code": err.code}})  # fmt: skip
+            finally:
+                gen.close()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
 
 
 def _data(obj) -> str:
@@ -669,11 +684,6 @@ class _Chunks:
             + json.dumps(choice, ensure_ascii=False, separators=(",", ":"))
             + (self.suffix)
         )
-
-
-def _sse(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
 
 
 def _validation_error(err: RequestValidationError) -> JSONResponse:
