@@ -204,3 +204,46 @@ def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):
             assert [list(a.shape) for a in exported.in_avals] == [
                 a["shape"] for a in entry["inputs"]
             ]
+
+
+_WARM_CACHE_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp
+from jax.experimental.serialize_executable import deserialize_and_load
+import pickle
+from jaxmamba.export.compile_cache import setup_compilation_cache
+from jaxmamba.export.writer import compile_serialized
+
+setup_compilation_cache(sys.argv[1], quiet=True)
+hits = []
+jax.monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
+f = jax.jit(lambda x, y: (jnp.exp(x) * 2 + jnp.tanh(x) + jax.nn.softplus(y), y + 1),
+            donate_argnums=(1,))
+specs = [jax.ShapeDtypeStruct((4096,), jnp.float32)] * 2
+exported = jax.export.export(f)(*specs)
+plain = lambda: jax.jit(exported.call).lower(*specs).compile()
+plain()  # fills the persistent cache
+plain()
+assert hits, "the second plain compile did not come from the persistent cache"
+x = jax.random.normal(jax.random.key(0), (4096,))
+want = f(x, x + 0.5)
+for _ in range(2):  # the second one meets a warm cache
+    got = deserialize_and_load(*pickle.loads(compile_serialized(exported)))(x, x + 0.5)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(g - w).max()) <= 1e-6, float(jnp.abs(g - w).max())
+print("ok")
+"""
+
+
+def test_serialized_executables_load_when_the_persistent_cache_is_warm(tmp_path):
+    """An executable XLA:CPU read back from the persistent cache serializes without the
+    runtime functions it links ('Function ... not found' when loaded): `compile_serialized`
+    must compile afresh even when the cache holds the step. In a fresh process, since JAX
+    fixes its cache set-up at the first compile."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _WARM_CACHE_SCRIPT, str(tmp_path / "xla")],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -52,18 +52,19 @@ def device_key() -> str:
 def _without_persistent_cache():
     """Compile afresh inside: an XLA:CPU executable read back from JAX's persistent cache
     serializes without the runtime functions it links at compile time, and fails to run when
-    loaded ("Function wrapped_exponential not found"). JAX decides once per process whether
-    the cache is used, so that decision is reset on the way in and out (a private API)."""
-    from jax._src import compilation_cache
+    loaded ("Function wrapped_exponential not found"; tests/test_export.py reproduces it).
+    JAX decides once per process whether the cache is used; `reset_cache` (public, in
+    `jax.experimental.compilation_cache`) makes it decide again on the way in and out."""
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+    reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
+        reset_cache()
 
 
 def compile_serialized(exported) -> bytes:
