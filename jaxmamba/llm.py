@@ -351,26 +351,35 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
 
 
 def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl):
-    """The most temporary bytes of the largest prefill/mixed and the largest decode bucket."""
+    """The most temporary bytes of the largest prefill/mixed and the largest decode bucket,
+    compiled side by side (XLA's compiles release the GIL). With `num_state_slots` and
+    `num_pages` both given, the probes have the engine's own cache shapes, so the persistent
+    compilation cache hands their executables to `precompile` instead of compiling twice."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from jaxmamba.engine.batch import StepBuilder
     from jaxmamba.engine.runner import step_temporary_bytes
     from jaxmamba.engine.scheduler import Scheduler
 
-    probe = dataclasses.replace(
-        cfg, num_state_slots=cfg.max_num_seqs, num_pages=cfg.max_pages_per_seq
-    )
+    probe = cfg
+    if cfg.num_state_slots is None or cfg.num_pages is None:
+        probe = dataclasses.replace(
+            cfg, num_state_slots=cfg.max_num_seqs, num_pages=cfg.max_pages_per_seq
+        )
     spec = CacheSpec(probe.state_slots, probe.pages, cfg.page_size)
     buckets = Scheduler(model_cfg, probe).all_buckets()
     decode = [b for b in buckets if b.num_decode == b.num_rows]
     prefill = [b for b in buckets if b.num_decode < b.num_rows]
     largest = [max(g, key=lambda b: (b.num_tokens, b.num_rows)) for g in (decode, prefill) if g]
     builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size)
-    return max(
-        step_temporary_bytes(
+
+    def temporaries(b):
+        return step_temporary_bytes(
             model_cfg, params, spec, builder.padding(b), b.num_decode, dtype=dtype, impl=impl
         )
-        for b in largest
-    )
+
+    with ThreadPoolExecutor(len(largest)) as pool:
+        return max(pool.map(temporaries, largest))
 
 
 def _with_tokenizer_eos(cfg: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:

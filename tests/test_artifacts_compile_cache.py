@@ -76,3 +76,45 @@ def test_cache_off_writes_nothing(tmp_path):
     assert off["hits"] == 0 and off["misses"] == 0
     assert not cache.exists() or not any(cache.iterdir())
     assert "XLA compilation cache at" not in stderr
+
+
+def test_precompile_reuses_the_memory_probes_executables():
+    """GPU memory sizing compiles the largest decode and prefill steps for XLA's memory
+    analysis; with the cache sizes given, those probes have the engine's own shapes, and
+    `precompile` takes their executables instead of tracing or compiling them again."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmamba import ModelConfig
+    from jaxmamba.engine.batch import StepBuilder
+    from jaxmamba.engine.config import EngineConfig
+    from jaxmamba.engine.runner import ModelRunner
+    from jaxmamba.engine.scheduler import Scheduler
+    from jaxmamba.llm import _largest_step_temporaries
+    from jaxmamba.model.cache import CacheSpec
+    from jaxmamba.model.params import init_params
+
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    engine = EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=16,
+                          max_prefill_seqs=1, num_state_slots=3, num_pages=5)  # fmt: skip
+    engine = engine.for_chunk_size(cfg.chunk_size)
+    params = init_params(cfg, seed=1)
+    assert _largest_step_temporaries(cfg, engine, params, jnp.float32, "auto") > 0
+    spec = CacheSpec(engine.state_slots, engine.pages, engine.page_size)
+    runner = ModelRunner(cfg, params, spec)
+    probes = runner.num_compiles  # the probes' traces: same model and cache shapes
+    assert probes >= 2
+    buckets = Scheduler(cfg, engine).all_buckets()
+    largest = [max((b for b in buckets if (b.num_decode == b.num_rows) == d),
+                   key=lambda b: (b.num_tokens, b.num_rows)) for d in (True, False)]  # fmt: skip
+    compiles = []
+    listener = lambda name, secs, **kw: compiles.append(name) if name.endswith(  # noqa: E731
+        "backend_compile_duration") else None  # fmt: skip
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        builder = StepBuilder(spec, engine.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
+        runner.precompile(largest, builder.padding)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert runner.num_compiles == probes, "precompile traced a probed bucket again"
+    assert compiles == [], f"precompile compiled {len(compiles)} programs again"
