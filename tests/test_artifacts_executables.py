@@ -1,7 +1,7 @@
 """`export --executables`: the steps compiled for this machine are stored, and `LLM(DIR)` on
 the same device kind and jaxlib loads them instead of compiling (no XLA compile while
 generating), with the live engine's greedy tokens; another device's are not loaded (the
-exported steps are jitted instead)."""
+exported steps are jitted instead); what a runner compiled can be stored back."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from jaxmamba import LLM, SamplingParams
-from jaxmamba.export.writer import export_artifact
+from jaxmamba.export.writer import add_executables, export_artifact
 
 ENGINE = dict(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=8, max_prefill_seqs=1)
 PROMPTS = [[3, 90, 17, 41, 5, 200, 11, 64, 9, 33, 120], [7, 8]]
@@ -75,3 +75,12 @@ def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
     fallback = LLM(str(other), compilation_cache=False, params=params)
     assert fallback.runner.loaded_executables == 0
     assert all(hasattr(fn, "lower") for fn in fallback.runner._steps.values())  # jitted
+
+    # What a runner compiled is stored back by add_executables (a step it read from the
+    # persistent cache is compiled afresh there); the copy then starts without compiling.
+    fallback.engine.precompile(show_progress=False)
+    stored = LLM(str(add_executables(other, tmp_path / "stored", fallback.runner)),
+                 compilation_cache=False, params=params)  # fmt: skip
+    assert stored.runner.loaded_executables == 3
+    again, compiles = _compiles_while(lambda: _tokens(stored))
+    assert compiles == 0 and again == expected

@@ -174,8 +174,9 @@ def test_decode_step_exports_for_cuda_with_small_m_matmul(tiny):
 
 
 def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):
-    """`jaxmamba export --platforms cuda,tpu --no-weights`: every bucket of the engine is
-    exported for both, each step calls that platform's kernels, and the manifest lists it."""
+    """`jaxmamba export --platforms cuda,tpu --no-weights --workers 2`: every bucket of the
+    engine is exported for both (in two worker processes), each step calls that platform's
+    kernels, and the manifest lists it."""
     import json
 
     from jaxmamba.cli import main
@@ -185,7 +186,7 @@ def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):
     out = tmp_path / "art"
     argv = ["export", "--model", "nemotron-h-tiny", "--out", str(out), "--platforms", "cuda,tpu",
             "--no-weights", "--max-num-seqs", "1", "--max-model-len", "32",
-            "--max-num-batched-tokens", "16"]  # fmt: skip
+            "--max-num-batched-tokens", "16", "--workers", "2"]  # fmt: skip
     assert main(argv) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["weights"] is None and not (out / "weights").exists()

@@ -65,6 +65,7 @@ def cmd_export(args) -> int:
         weights=args.weights,
         overwrite=args.overwrite,
         executables=args.executables,
+        workers=args.workers,
         progress=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(f"wrote {out} ({', '.join(platforms)}) in {time.perf_counter() - start:.1f} s")
@@ -100,6 +101,12 @@ def add_parsers(sub, add_model_args, add_engine_args) -> None:
         action="store_true",
         help="also store every step compiled for this machine (its platform must be in "
         "--platforms): the same device kind and jaxlib then start without compiling",
+    )
+    exp.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="trace and lower the steps in this many CPU-only processes (tracing holds the GIL)",
     )
     exp.set_defaults(func=cmd_export)
     add_more_parsers(sub, add_model_args, add_engine_args)

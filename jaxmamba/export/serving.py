@@ -22,6 +22,16 @@ from jaxmamba.engine.config import EngineConfig
 from jaxmamba.export.artifact import Artifact, ArtifactError, read_artifact
 from jaxmamba.model.cache import CacheSpec
 
+_COMPILE = threading.local()  # per compiling thread: did its last compile hit the disk cache
+
+
+def _note_cache_hit(name: str, **kwargs) -> None:
+    if name == "/jax/compilation_cache/cache_hits":
+        _COMPILE.hit = True
+
+
+jax.monitoring.register_event_listener(_note_cache_hit)
+
 
 def _zeros(avals: list[dict]) -> list[jax.Array]:
     return [jnp.zeros(tuple(a["shape"]), a["dtype"]) for a in avals]
@@ -56,6 +66,8 @@ class ArtifactRunner:
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._lock = threading.Lock()
         self.loaded_executables = 0  # steps loaded compiled (`export --executables`)
+        # bucket -> (its compiled step, compiled here afresh rather than read from the cache)
+        self.compiled: dict[tuple[int, int, int], tuple] = {}
 
     def _check_state(self) -> None:
         """The cache and sampler state the manifest lists are what its `model` and `cache`
@@ -196,7 +208,10 @@ class ArtifactRunner:
         fn = self._step(key)
         if not hasattr(fn, "lower"):
             return  # a loaded executable: nothing to compile
-        fn.lower(self.params, self.cache, self.slot_state, jax.tree.leaves(inputs)).compile()
+        _COMPILE.hit = False
+        lowered = fn.lower(self.params, self.cache, self.slot_state, jax.tree.leaves(inputs))
+        compiled = lowered.compile()
+        self.compiled[key] = (compiled, not _COMPILE.hit)
 
     def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None):
         """Compile the step of every bucket (in a thread pool: XLA compiles release the GIL),

@@ -82,6 +82,41 @@ def compile_serialized(exported) -> bytes:
     return pickle.dumps(serialize(compiled))
 
 
+def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> Path:
+    """A copy of the artifact `src` at `out` that also holds, for every bucket `runner` (an
+    `ArtifactRunner` of `src`) has compiled, that step serialized for this machine, as
+    `export --executables` stores it. A step the runner read back from the persistent cache is
+    compiled afresh (`compile_serialized`): on XLA:CPU such an executable does not load."""
+    import pickle
+
+    from jax.experimental.serialize_executable import serialize
+
+    src, out = Path(src), Path(out)
+    if out.exists():
+        raise ValueError(f"{out} exists: pick a new directory")
+    shutil.copytree(src, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    platform = runtime_platform()
+    for entry in manifest["buckets"]:
+        key = (entry["num_tokens"], entry["num_rows"], entry["num_decode"])
+        if key not in runner.compiled or platform not in entry["files"]:
+            continue
+        compiled, fresh = runner.compiled[key]
+        rel = entry["files"][platform]["path"].replace(".jaxexport", ".executable")
+        if fresh:
+            blob = pickle.dumps(serialize(compiled))
+        else:
+            exported = jax.export.deserialize(bytearray((out / entry["files"][platform]["path"])
+                                                        .read_bytes()))  # fmt: skip
+            blob = compile_serialized(exported)
+        (out / rel).write_bytes(blob)
+        entry.setdefault("executables", {})[platform] = {
+            "path": rel, "sha256": sha256(out / rel), "device": device_key()
+        }  # fmt: skip
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return out
+
+
 def _aval(x) -> dict:
     return {"shape": [int(d) for d in x.shape], "dtype": np.dtype(x.dtype).name}
 
@@ -127,6 +162,70 @@ def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, i
     return jax.export.export(fn, platforms=(platform,), disabled_checks=disabled)(*flat)
 
 
+def _setup(model: str, engine: dict | None, dtype: str):
+    """What exporting `model` with these engine settings needs, host side: the dtype's name,
+    the model and engine configs, the cache spec, the step builder, the tokenizer."""
+    from jaxmamba.config import ModelConfig
+    from jaxmamba.engine.batch import StepBuilder
+    from jaxmamba.engine.config import EngineConfig
+    from jaxmamba.llm import _with_tokenizer_eos, resolve_dtype
+    from jaxmamba.model.cache import CacheSpec
+    from jaxmamba.tokenizer import load_tokenizer
+
+    dtype_name = {"bf16": "bfloat16", "fp32": "float32"}.get(d := resolve_dtype(dtype, model), d)
+    cfg = ModelConfig.load(model)
+    tokenizer = load_tokenizer(model, cfg)
+    cfg = _with_tokenizer_eos(cfg, tokenizer)
+    engine_cfg = EngineConfig(**(engine or {})).for_chunk_size(cfg.chunk_size)
+    spec = CacheSpec(
+        num_slots=engine_cfg.state_slots, num_pages=engine_cfg.pages,
+        page_size=engine_cfg.page_size,
+    )  # fmt: skip
+    builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
+    return dtype_name, cfg, engine_cfg, spec, builder, tokenizer
+
+
+_WORKER_SETUP: dict = {}  # in an export worker process: (model, engine, dtype) -> _setup(...)
+
+
+def _cpu_only() -> None:
+    jax.config.update("jax_platforms", "cpu")  # lowering needs no device; leave the GPU alone
+
+
+def _export_job(job) -> tuple[bytes, float]:
+    """In an export worker: one bucket's serialized step for one platform, and the seconds
+    its tracing and lowering took."""
+    from jaxmamba.engine.batch import Bucket
+    from jaxmamba.llm import DTYPES
+    from jaxmamba.model.params import param_shapes
+
+    model, engine, dtype, bucket, platform = job
+    key = (model, json.dumps(engine, sort_keys=True), dtype)
+    if key not in _WORKER_SETUP:
+        _WORKER_SETUP[key] = _setup(model, engine, dtype)
+    dtype_name, cfg, _, spec, builder, _ = _WORKER_SETUP[key]
+    jdtype = DTYPES[dtype_name]
+    start = time.perf_counter()
+    exp = export_step(cfg, spec, jdtype, param_shapes(cfg, jdtype), builder, Bucket(*bucket),
+                      platform)  # fmt: skip
+    return exp.serialize(), time.perf_counter() - start
+
+
+def _export_in_workers(jobs: list, workers: int, say) -> list[tuple[bytes, float]]:
+    """`_export_job` of every job, in `workers` processes (tracing and lowering are Python
+    under the GIL: threads would not overlap them, processes do)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    results = []
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_cpu_only) as pool:
+        for i, result in enumerate(pool.map(_export_job, jobs)):
+            results.append(result)
+            say(f"traced and lowered {i + 1}/{len(jobs)} in a worker ({result[1]:.1f} s)")
+    return results
+
+
 def export_artifact(
     model: str,
     out: str | os.PathLike,
@@ -140,6 +239,7 @@ def export_artifact(
     params=None,
     overwrite: bool = False,
     executables: bool = False,
+    workers: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Export `model` (a preset, YAML or HF checkpoint) served with the `engine` settings
@@ -150,17 +250,15 @@ def export_artifact(
     `weights=False` (`--no-weights`) leaves the weights out: `LLM(out, params=...)` or
     `weights=` a checkpoint then brings them. `executables=True` (`--executables`) also
     stores each step compiled for this machine's platform and device (when it is among
-    `platforms`): a process on the same device kind and jaxlib loads it without compiling."""
-    from jaxmamba.config import ModelConfig, checkpoint_dir
-    from jaxmamba.engine.batch import StepBuilder
-    from jaxmamba.engine.config import EngineConfig
+    `platforms`): a process on the same device kind and jaxlib loads it without compiling.
+    `workers > 1` traces and lowers the steps in that many CPU-only processes."""
+    from jaxmamba.config import checkpoint_dir
     from jaxmamba.engine.scheduler import Scheduler
-    from jaxmamba.llm import DTYPES, _with_tokenizer_eos, load_params, resolve_dtype
-    from jaxmamba.model.cache import CacheSpec, cache_shapes
+    from jaxmamba.llm import DTYPES, load_params
+    from jaxmamba.model.cache import cache_shapes
     from jaxmamba.model.metadata import StepInputs
     from jaxmamba.model.orbax_io import flat_specs, save_params
     from jaxmamba.model.params import param_shapes
-    from jaxmamba.tokenizer import load_tokenizer
 
     say = progress or (lambda _msg: None)
     unknown = sorted(set(platforms) - set(PLATFORM_IMPLS))
@@ -175,20 +273,17 @@ def export_artifact(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
-    dtype_name = {"bf16": "bfloat16", "fp32": "float32"}.get(d := resolve_dtype(dtype, model), d)
+    dtype_name, cfg, engine_cfg, spec, builder, tokenizer = _setup(model, engine, dtype)
     jdtype = DTYPES[dtype_name]
-    cfg = ModelConfig.load(model)
-    tokenizer = load_tokenizer(model, cfg)
-    cfg = _with_tokenizer_eos(cfg, tokenizer)
-    engine_cfg = EngineConfig(**(engine or {})).for_chunk_size(cfg.chunk_size)
-    spec = CacheSpec(
-        num_slots=engine_cfg.state_slots, num_pages=engine_cfg.pages,
-        page_size=engine_cfg.page_size,
-    )  # fmt: skip
     all_buckets = Scheduler(cfg, engine_cfg).all_buckets()
     buckets = list(all_buckets if buckets is None else buckets)
-    builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
     params_tree = param_shapes(cfg, jdtype)
+    exported = {}  # (bucket, platform) -> serialized step, from the workers
+    if workers > 1:
+        jobs = [(str(model), engine, dtype, dataclasses.astuple(b), p)
+                for b in buckets for p in platforms]  # fmt: skip
+        for job, (blob, _) in zip(jobs, _export_in_workers(jobs, workers, say), strict=True):
+            exported[job[3], job[4]] = blob
 
     weights_entry = None
     if weights:
@@ -216,10 +311,15 @@ def export_artifact(
                  "num_decode": bucket.num_decode, "files": {}}  # fmt: skip
         for platform in platforms:
             start = time.perf_counter()
-            exp = export_step(cfg, spec, jdtype, params_tree, builder, bucket, platform)
+            blob = exported.get((dataclasses.astuple(bucket), platform))
+            if blob is None:
+                exp = export_step(cfg, spec, jdtype, params_tree, builder, bucket, platform)
+                blob = exp.serialize()
+            else:
+                exp = jax.export.deserialize(bytearray(blob))
             rel = f"steps/{platform}/{bucket_name(*dataclasses.astuple(bucket))}.jaxexport"
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_bytes(exp.serialize())
+            (tmp / rel).write_bytes(blob)
             entry["files"][platform] = {"path": rel, "sha256": sha256(tmp / rel)}
             if executables and platform == runtime_platform():
                 rel_x = rel.replace(".jaxexport", ".executable")
