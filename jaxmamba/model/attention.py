@@ -73,6 +73,7 @@ class Attention(nn.Module):
             meta.token_rows,
             meta.positions,
             scale=cfg.attention_scale or dh**-0.5,
+            blocks=meta.attention_blocks,
             impl=self.impl,
         )
         out = linear(cfg.hidden_size, ("q_heads", "embed"), "o_proj")(

@@ -149,8 +149,8 @@ class Mamba2Mixer(nn.Module):
                 xbc_p, init_conv, pre.cu_seqlens, pre.track_rows, pre.track_ends, K - 1
             )
             xbc_p, conv_final, _ = causal_conv1d_varlen(
-                xbc_p, weight, bias, pre.cu_seqlens,
-                initial_states=init_conv, activation="silu", impl=self.impl,
+                xbc_p, weight, bias, pre.cu_seqlens, initial_states=init_conv,
+                activation="silu", starts=pre.conv_starts, impl=self.impl,
             )  # fmt: skip
             x_p, b_p, c_p = split_xbc(xbc_p)
             init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[pre.init_slots], 0)
@@ -159,7 +159,7 @@ class Mamba2Mixer(nn.Module):
                 chunk_size=cfg.chunk_size, D=d_skip, dt_bias=dt_bias, dt_softplus=True,
                 dt_limit=tuple(cfg.time_step_limit), initial_states=init_ssm.astype(jnp.float32),
                 start_positions=pre.start_positions, layout=pre.layout,
-                state_chunks=pre.track_chunks, impl=self.impl,
+                state_chunks=pre.track_chunks, tracked=pre.tracked, impl=self.impl,
             )  # fmt: skip
             conv_pool = conv_pool.at[pre.state_slots].set(conv_final.astype(conv_pool.dtype))
             conv_pool = conv_pool.at[pre.track_slots].set(conv_tracked.astype(conv_pool.dtype))

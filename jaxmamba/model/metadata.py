@@ -9,10 +9,13 @@ Layout of a step (all shapes static, padded to a bucket):
   Padding rows have zero tokens and point at the pad slot / pad page.
 
 `ForwardMetadata.build` turns the host's `StepInputs` into everything the layers need: the
-token→row map, positions, the KV write slots, the varlen chunk layout, and the **tracked-row
+token→row map, positions, the KV write slots, the varlen chunk layout (and the SSD kernels'
+tracked requests by chunk, the conv kernels' sequence starts), and the **tracked-row
 selection** (where each row's state checkpoint goes this step and which chunk/conv window it
-is read from). Nothing here reads a device value on the host, branches on traced data, or
-uses an unsized `nonzero`: the selection is masked scatters into the pad slot.
+is read from); `with_attention_blocks` adds the attention kernels' query blocks. Each is
+built once per forward and read by every layer. Nothing here reads a device value on the
+host, branches on traced data, or uses an unsized `nonzero`: the selection is masked scatters
+into the pad slot.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmamba.kernels.ssd import ChunkLayout, build_chunk_layout
+from jaxmamba.kernels.attention import QueryBlocks, attention_query_blocks
+from jaxmamba.kernels.conv1d import TokenStarts, token_starts
+from jaxmamba.kernels.ssd import ChunkLayout, TrackedRequests, build_chunk_layout, tracked_requests
 
 
 class StepInputs(NamedTuple):
@@ -66,6 +71,7 @@ class PrefillMetadata(NamedTuple):
     cu_seqlens: jax.Array  # i32[Bp+1] relative to the first prefill token
     start_positions: jax.Array  # i32[Bp] absolute position of each row's first new token
     layout: ChunkLayout  # chunk layout shared by every Mamba layer
+    conv_starts: TokenStarts  # each prefill token's row and that row's first token, [Tp]
     state_slots: jax.Array  # i32[Bp]
     init_slots: jax.Array  # i32[Bp]
     has_initial_state: jax.Array  # bool[Bp]
@@ -74,6 +80,7 @@ class PrefillMetadata(NamedTuple):
     track_rows: jax.Array  # i32[Bp*KP] prefill row of each checkpoint
     track_ends: jax.Array  # i32[Bp*KP] tracked length relative to its row's first new token
     track_chunks: jax.Array  # i32[Bp*KP] chunk whose end state is the tracked SSM state
+    tracked: TrackedRequests  # track_chunks by chunk, what the SSD kernels write them from
 
 
 # A decode step checkpoints at most this many rows (rows whose length crosses a multiple of
@@ -107,6 +114,23 @@ class ForwardMetadata(NamedTuple):
     last_token_index: jax.Array  # i32[B] token whose logits are sampled for each row
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    # The attention kernels' query blocks (`with_attention_blocks`); None: the reference
+    # attention, or a model without attention layers.
+    attention_blocks: QueryBlocks | None = None
+
+    def with_attention_blocks(self, num_q_heads: int, num_kv_heads: int, impl: str):
+        """This metadata plus the query blocks the attention kernel of ``impl`` cuts the step
+        into: they depend on the kernel and the head grouping, so the model adds them once,
+        before its first layer, and every attention layer reads them."""
+        blocks = attention_query_blocks(
+            self.token_rows,
+            self.positions,
+            self.page_table.shape[0],
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            impl=impl,
+        )
+        return self._replace(attention_blocks=blocks)
 
     @staticmethod
     def build(
@@ -173,17 +197,20 @@ class ForwardMetadata(NamedTuple):
                 layout.seq_first_chunk[track_rows] + chunk_of_end - row_starts // chunk_size
             )
             num_chunks = layout.chunk_seq.shape[0]
+            track_chunks = jnp.clip(track_chunks, 0, num_chunks - 1)
             prefill = PrefillMetadata(
                 cu_seqlens=cu_seqlens,
                 start_positions=starts,
                 layout=layout,
+                conv_starts=token_starts(cu_seqlens, num_prefill_tokens),
                 state_slots=inputs.state_slots[rows],
                 init_slots=inputs.init_slots[rows],
                 has_initial_state=inputs.has_initial_state[rows],
                 track_slots=track_slots[rows].reshape(-1),
                 track_rows=track_rows,
                 track_ends=track_ends,
-                track_chunks=jnp.clip(track_chunks, 0, num_chunks - 1),
+                track_chunks=track_chunks,
+                tracked=tracked_requests(num_chunks, track_chunks, all_chunks=False),
             )
 
         return ForwardMetadata(

@@ -147,6 +147,10 @@ class Mamba2HybridLM(nn.Module):
     ) -> tuple[jax.Array, StateCache]:
         """Run every layer over the step's tokens; returns normed hidden `[T, E]` and the cache."""
         cfg = self.cfg
+        if cfg.attention_layers and meta.attention_blocks is None:
+            meta = meta.with_attention_blocks(
+                cfg.num_attention_heads, cfg.num_key_value_heads, self.impl
+            )
         x = self.embed(input_ids).astype(jnp.float32)
         if cfg.embedding_multiplier != 1:
             x = x * cfg.embedding_multiplier

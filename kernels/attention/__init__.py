@@ -11,11 +11,42 @@ import functools
 import jax
 
 from ..dispatch import select_impl
-from .gpu import paged_attention_gpu
+from .blocks import QueryBlocks
+from .gpu import paged_attention_gpu, query_blocks_gpu
 from .ref import paged_attention_ref, write_kv
-from .tpu import paged_attention_tpu
+from .tpu import paged_attention_tpu, query_blocks_tpu
 
-__all__ = ["paged_attention", "paged_attention_ref", "write_kv"]
+__all__ = [
+    "QueryBlocks",
+    "attention_query_blocks",
+    "paged_attention",
+    "paged_attention_ref",
+    "write_kv",
+]
+
+
+def attention_query_blocks(
+    token_rows: jax.Array,  # i32[T]
+    token_positions: jax.Array,  # i32[T]
+    num_rows: int,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    impl: str = "auto",
+) -> QueryBlocks | None:
+    """The query blocks the kernel ``impl`` selects cuts a step into, for every attention
+    layer of the step to share (``paged_attention(..., blocks=)``); None for the reference,
+    which needs none."""
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
+    fn = select_impl(
+        "attention_query_blocks",
+        impl,
+        ref=lambda *args, **kwargs: None,
+        pallas_tpu=query_blocks_tpu,
+        pallas_gpu=query_blocks_gpu,
+    )
+    return fn(token_rows, token_positions, num_rows, num_q_heads // num_kv_heads)
 
 
 def paged_attention(
@@ -28,6 +59,7 @@ def paged_attention(
     *,
     scale: float,
     block_tokens: int = 64,
+    blocks: QueryBlocks | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """Causal GQA attention over paged K/V: token t attends to its row's keys at positions
@@ -38,8 +70,10 @@ def paged_attention(
     what "interpret" runs, under ``pltpu.InterpretParams()``) and ``gpu.paged_attention_gpu``
     (Triton). They cut the packed tokens into blocks of consecutive tokens of one row and need
     the layout ``ForwardMetadata`` produces (each row's tokens consecutive, padding tokens last;
-    see ``blocks.py``). The reference takes any layout: it processes ``block_tokens``
-    tokens at a time, each gathering its row's whole page list, so its peak memory is
+    see ``blocks.py``); ``blocks`` are those cuts, from ``attention_query_blocks`` with the
+    same ``impl`` (else each call cuts its own). The reference takes any layout: it processes
+    ``block_tokens`` tokens at a time, each gathering its row's whole page list, so its peak
+    memory is
     ``block_tokens * MP * PS * Hkv * Dh`` per K and V.
     """
     if q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
@@ -67,7 +101,7 @@ def paged_attention(
         "paged_attention",
         impl,
         ref=functools.partial(paged_attention_ref, block_tokens=block_tokens),
-        pallas_tpu=paged_attention_tpu,
-        pallas_gpu=paged_attention_gpu,
+        pallas_tpu=functools.partial(paged_attention_tpu, blocks=blocks),
+        pallas_gpu=functools.partial(paged_attention_gpu, blocks=blocks),
     )
     return fn(q, k_pages, v_pages, page_table, token_rows, token_positions, scale=scale)

@@ -44,7 +44,25 @@ def build_query_blocks(
     num_rows: int,
     tokens_per_block: int,
 ) -> QueryBlocks:
-    """Cut the packed tokens into query blocks (on device; no host sync, sized nonzero)."""
+    """Cut the packed tokens into query blocks (on device; no host sync, sized nonzero).
+    A step builds them once (``ForwardMetadata``) and every attention layer reads them."""
+    with jax.named_scope("attention_query_blocks"):
+        return _build_query_blocks(token_rows, token_positions, num_rows, tokens_per_block)
+
+
+def check_query_blocks(blocks: QueryBlocks, num_tokens: int, num_rows: int, tokens_per_block: int):
+    """Raise if ``blocks`` were not cut for this step's shape and the kernel's block size."""
+    num_blocks = num_query_blocks(num_tokens, num_rows, tokens_per_block)
+    if blocks.start.shape != (num_blocks,) or blocks.token_block.shape != (num_tokens,):
+        raise ValueError(
+            f"query blocks of {blocks.start.shape[0]} blocks over {blocks.token_block.shape[0]} "
+            f"tokens do not fit this kernel: expected {num_blocks} blocks of <= "
+            f"{tokens_per_block} tokens over T={num_tokens} (R={num_rows}); build them with "
+            "attention_query_blocks for the same impl"
+        )
+
+
+def _build_query_blocks(token_rows, token_positions, num_rows, tokens_per_block):
     num_tokens = token_rows.shape[0]
     num_blocks = num_query_blocks(num_tokens, num_rows, tokens_per_block)
     token_rows = token_rows.astype(jnp.int32)

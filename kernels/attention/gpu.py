@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..common import MIN_DOT_DIM, matmul_precision, pow2_at_least, round_up
-from .blocks import build_query_blocks
+from .blocks import QueryBlocks, build_query_blocks, check_query_blocks
 
 _F32 = jnp.float32
 
@@ -156,6 +156,22 @@ def _kernel(
         pltriton.store(lse_ref.at[part, token, head], lse, mask=row_ok)
 
 
+def query_blocks_gpu(
+    token_rows: jax.Array,  # i32[T]
+    token_positions: jax.Array,  # i32[T]
+    num_rows: int,
+    group: int,
+    *,
+    interpret: bool = False,
+    block_sizes: GpuBlockSizes | None = None,
+) -> QueryBlocks:
+    """The query blocks ``paged_attention_gpu`` cuts a step into (``group`` = Hq / Hkv)."""
+    del interpret  # the blocks are plain XLA either way
+    bs = block_sizes or GpuBlockSizes.get_default()
+    rows = bs.query_rows(token_rows.shape[0], num_rows, group)
+    return build_query_blocks(token_rows, token_positions, num_rows, rows // group)
+
+
 def paged_attention_gpu(
     q: jax.Array,  # [T, Hq, Dh]
     k_pages: jax.Array,  # [NP+1, PS, Hkv, Dh]
@@ -165,11 +181,12 @@ def paged_attention_gpu(
     token_positions: jax.Array,  # i32[T]
     *,
     scale: float,
+    blocks: QueryBlocks | None = None,
     interpret: bool = False,
     block_sizes: GpuBlockSizes | None = None,
 ) -> jax.Array:
     """Same contract as :func:`jaxmamba.kernels.attention.paged_attention` (plus the layout
-    contract of ``blocks.py``)."""
+    contract of ``blocks.py``); ``blocks`` from ``query_blocks_gpu``, else cut here."""
     bs = block_sizes or GpuBlockSizes.get_default()
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -178,7 +195,9 @@ def paged_attention_gpu(
     if bs.block_kv < MIN_DOT_DIM or bs.block_kv != pow2_at_least(bs.block_kv):
         raise ValueError(f"block_kv must be a power of two >= {MIN_DOT_DIM}, got {bs.block_kv}")
     rows = bs.query_rows(num_tokens, num_rows, group)
-    blocks = build_query_blocks(token_rows, token_positions, num_rows, rows // group)
+    if blocks is None:
+        blocks = build_query_blocks(token_rows, token_positions, num_rows, rows // group)
+    check_query_blocks(blocks, num_tokens, num_rows, rows // group)
     num_blocks = blocks.start.shape[0]
     context = max_pages * page_size
     splits = bs.splits(num_blocks * num_kv_heads, context)

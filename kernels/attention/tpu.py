@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import matmul_precision, round_up, tpu_interpret_params
-from .blocks import build_query_blocks
+from .blocks import QueryBlocks, build_query_blocks, check_query_blocks
 
 _F32 = jnp.float32
 
@@ -144,6 +144,22 @@ def _kernel(
     o_ref[...] = (acc_scr[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
+def query_blocks_tpu(
+    token_rows: jax.Array,  # i32[T]
+    token_positions: jax.Array,  # i32[T]
+    num_rows: int,
+    group: int,
+    *,
+    interpret: bool = False,
+    block_sizes: TpuBlockSizes | None = None,
+) -> QueryBlocks:
+    """The query blocks ``paged_attention_tpu`` cuts a step into (``group`` = Hq / Hkv)."""
+    del interpret  # the blocks are plain XLA either way
+    bs = block_sizes or TpuBlockSizes.get_default()
+    tokens_per_block = bs.tokens_per_block(token_rows.shape[0], num_rows, group)
+    return build_query_blocks(token_rows, token_positions, num_rows, tokens_per_block)
+
+
 def paged_attention_tpu(
     q: jax.Array,  # [T, Hq, Dh]
     k_pages: jax.Array,  # [NP+1, PS, Hkv, Dh]
@@ -153,19 +169,22 @@ def paged_attention_tpu(
     token_positions: jax.Array,  # i32[T]
     *,
     scale: float,
+    blocks: QueryBlocks | None = None,
     interpret=False,
     block_sizes: TpuBlockSizes | None = None,
 ) -> jax.Array:
     """Same contract as :func:`jaxmamba.kernels.attention.paged_attention` (plus the layout
-    contract of ``blocks.py``). ``interpret=True`` runs under
-    ``pltpu.InterpretParams()``."""
+    contract of ``blocks.py``); ``blocks`` from ``query_blocks_tpu``, else cut here.
+    ``interpret=True`` runs under ``pltpu.InterpretParams()``."""
     bs = block_sizes or TpuBlockSizes.get_default()
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_rows, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
     tokens_per_block = bs.tokens_per_block(num_tokens, num_rows, group)
-    blocks = build_query_blocks(token_rows, token_positions, num_rows, tokens_per_block)
+    if blocks is None:
+        blocks = build_query_blocks(token_rows, token_positions, num_rows, tokens_per_block)
+    check_query_blocks(blocks, num_tokens, num_rows, tokens_per_block)
     num_blocks = blocks.start.shape[0]
     sublanes = 8 * max(1, 4 // q.dtype.itemsize)
     rows = round_up(tokens_per_block * group, sublanes)

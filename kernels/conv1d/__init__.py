@@ -15,22 +15,26 @@ import jax
 from ..dispatch import select_impl
 from .gpu import causal_conv1d_update_gpu, causal_conv1d_varlen_gpu
 from .ref import (
+    TokenStarts,
     causal_conv1d_update_ref,
     causal_conv1d_varlen_ref,
     check_activation,
     conv_window_indices,
     token_seq_ids,
+    token_starts,
     windows_at,
 )
 from .tpu import causal_conv1d_update_tpu, causal_conv1d_varlen_tpu
 
 __all__ = [
+    "TokenStarts",
     "causal_conv1d_update",
     "causal_conv1d_update_ref",
     "causal_conv1d_varlen",
     "causal_conv1d_varlen_ref",
     "conv_window_indices",
     "token_seq_ids",
+    "token_starts",
     "windows_at",
 ]
 
@@ -60,6 +64,7 @@ def causal_conv1d_varlen(
     initial_states: jax.Array | None = None,  # [S, K-1, D] or None (zeros)
     track_ends: jax.Array | None = None,  # i32[S] relative positions, 0 <= e <= len_s
     activation: str | None = "silu",
+    starts: TokenStarts | None = None,  # token_starts(cu_seqlens, T), once per step
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Causal depthwise conv over packed sequences.
@@ -88,6 +93,7 @@ def causal_conv1d_varlen(
         initial_states=initial_states,
         track_ends=track_ends,
         activation=activation,
+        starts=starts,
     )
 
 

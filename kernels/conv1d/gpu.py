@@ -30,7 +30,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from ..common import pow2_divisor
 from ..common import silu as exact_silu
-from .ref import final_and_tracked_states, initial_state_terms, token_starts
+from .ref import (
+    TokenStarts,
+    check_token_starts,
+    final_and_tracked_states,
+    initial_state_terms,
+    token_starts,
+)
 
 _F32 = jnp.float32
 
@@ -238,6 +244,7 @@ def causal_conv1d_varlen_gpu(
     initial_states: jax.Array | None = None,  # [S, K-1, D]
     track_ends: jax.Array | None = None,  # i32[S]
     activation: str | None = "silu",
+    starts: TokenStarts | None = None,
     interpret: bool = False,
     block_sizes: VarlenGpuBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -252,7 +259,10 @@ def causal_conv1d_varlen_gpu(
         k, bt, bd, bs.tiles, _activation(activation, x.dtype, interpret),
         bias is not None, initial_states is not None, num_tokens,
     )  # fmt: skip
-    seq, start = token_starts(cu_seqlens, num_tokens)
+    if starts is None:
+        starts = token_starts(cu_seqlens, num_tokens)
+    check_token_starts(starts, num_tokens)
+    seq, start = starts
     terms = None  # one [bt, bd] gather in the kernel instead of K-1
     if initial_states is not None:
         terms = initial_state_terms(weight, initial_states).reshape(-1, dim)

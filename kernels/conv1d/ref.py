@@ -7,6 +7,8 @@ a sequence's first token come from its initial state (the K-1 preceding inputs, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -63,10 +65,27 @@ def conv_window_indices(
     return jnp.where(p >= 0, token_rows, state_rows).astype(jnp.int32)
 
 
-def token_starts(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """(seq i32[T], start i32[T]): each token's sequence and that sequence's first token."""
-    seq = token_seq_ids(cu_seqlens, num_tokens)
-    return seq, cu_seqlens[seq]
+class TokenStarts(NamedTuple):
+    """Where each packed token's sequence starts: what every varlen conv call reads."""
+
+    seq: jax.Array  # i32[T] sequence of each token (padding tokens: the last sequence)
+    start: jax.Array  # i32[T] first packed token of that sequence
+
+
+def token_starts(cu_seqlens: jax.Array, num_tokens: int) -> TokenStarts:
+    """Each token's sequence and that sequence's first token. A step builds them once
+    (``ForwardMetadata``) and every Mamba layer's conv reads them."""
+    with jax.named_scope("conv_token_starts"):
+        seq = token_seq_ids(cu_seqlens, num_tokens)
+        return TokenStarts(seq, cu_seqlens[seq])
+
+
+def check_token_starts(starts: TokenStarts, num_tokens: int) -> None:
+    if starts.seq.shape != (num_tokens,) or starts.start.shape != (num_tokens,):
+        raise ValueError(
+            f"expected token starts seq/start i32[T={num_tokens}], got {starts.seq.shape}, "
+            f"{starts.start.shape}"
+        )
 
 
 def state_windows(
@@ -155,6 +174,7 @@ def causal_conv1d_varlen_ref(
     initial_states: jax.Array | None = None,  # [S, K-1, D]
     track_ends: jax.Array | None = None,  # i32[S]
     activation: str | None = "silu",
+    starts: TokenStarts | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     num_tokens, dim = x.shape
     num_seqs = cu_seqlens.shape[0] - 1
@@ -167,8 +187,11 @@ def causal_conv1d_varlen_ref(
     source = jnp.concatenate(parts)  # [T (+ S*(K-1)) + 1, D]; the last row is zero
 
     window = dict(state_len=k - 1, num_tokens=num_tokens, has_initial_states=has_initial_states)
-    seq = token_seq_ids(cu_seqlens, num_tokens)
-    rel = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[seq]
+    if starts is None:
+        starts = token_starts(cu_seqlens, num_tokens)
+    check_token_starts(starts, num_tokens)
+    seq = starts.seq
+    rel = jnp.arange(num_tokens, dtype=jnp.int32) - starts.start
     # Padding tokens (>= cu_seqlens[-1]) read only tokens <= themselves, never a real output.
     rows = conv_window_indices(cu_seqlens, seq, rel + 1, width=k, **window)  # [T, K]
     w = weight.astype(jnp.float32)

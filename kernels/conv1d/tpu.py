@@ -23,7 +23,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import round_up, silu, tpu_interpret_params
-from .ref import final_and_tracked_states, initial_state_terms, token_starts
+from .ref import (
+    TokenStarts,
+    check_token_starts,
+    final_and_tracked_states,
+    initial_state_terms,
+    token_starts,
+)
 
 _F32 = jnp.float32
 _HALO = 8  # rows of x before a tile that the varlen kernel reads (>= K-1, one sublane tile)
@@ -174,6 +180,7 @@ def causal_conv1d_varlen_tpu(
     initial_states: jax.Array | None = None,  # [S, K-1, D]
     track_ends: jax.Array | None = None,  # i32[S]
     activation: str | None = "silu",
+    starts: TokenStarts | None = None,
     interpret: bool = False,
     block_sizes: VarlenTpuBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -186,7 +193,10 @@ def causal_conv1d_varlen_tpu(
     bt = min(bs.tokens, round_up(num_tokens, _HALO))
     bd = _lane_block(dim, bs.channels)
     padded = round_up(num_tokens, bt)
-    _, start = token_starts(cu_seqlens, num_tokens)
+    if starts is None:
+        starts = token_starts(cu_seqlens, num_tokens)
+    check_token_starts(starts, num_tokens)
+    start = starts.start
     xp = x
     if padded != num_tokens:  # only for token counts that are not a tile multiple
         xp = jnp.pad(x, ((0, padded - num_tokens), (0, 0)))

@@ -8,22 +8,26 @@ TPU kernel in ``tpu.py``, the Triton-lowered GPU kernels in ``gpu.py``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from ..common import check_optional_shapes, process_dt
 from ..dispatch import select_impl
 from .gpu import ssd_varlen_gpu
-from .layout import ChunkLayout, build_chunk_layout, num_chunks
+from .layout import ChunkLayout, TrackedRequests, build_chunk_layout, num_chunks, tracked_requests
 from .ref import ssd_varlen_ref
 from .tpu import ssd_varlen_tpu
 
 __all__ = [
     "ChunkLayout",
+    "TrackedRequests",
     "build_chunk_layout",
     "num_chunks",
     "process_dt",
     "ssd_varlen",
     "ssd_varlen_ref",
+    "tracked_requests",
 ]
 
 
@@ -46,6 +50,7 @@ def ssd_varlen(
     layout: ChunkLayout | None = None,  # from build_chunk_layout(..., chunk_size, start_positions)
     return_chunk_states: bool = False,
     state_chunks: jax.Array | None = None,  # i32[K] chunks of `layout` whose end state is wanted
+    tracked: TrackedRequests | None = None,  # tracked_requests(NC, state_chunks, ...)
     impl: str = "auto",
 ):
     """Chunked SSD scan over packed sequences.
@@ -55,7 +60,9 @@ def ssd_varlen(
     each chunk of ``layout`` (or ``build_chunk_layout(cu_seqlens, T, chunk_size,
     start_positions)``; unused chunks hold arbitrary values), or with ``state_chunks`` only the
     states after those chunks, ``[K, H, P, N]`` (what checkpointing needs; the kernels then
-    write K states instead of NC). States have the dtype of ``initial_states`` (float32
+    write K states instead of NC); ``tracked`` is ``tracked_requests(NC, state_chunks,
+    return_chunk_states)``, built once per step for every layer (else each call builds it).
+    States have the dtype of ``initial_states`` (float32
     without); an empty sequence's final state is its initial state.
 
     ``impl`` (see ``dispatch``): the kernels are ``tpu.ssd_varlen_tpu`` (Mosaic TPU; also what
@@ -92,8 +99,8 @@ def ssd_varlen(
         "ssd_varlen",
         impl,
         ref=ssd_varlen_ref,
-        pallas_tpu=ssd_varlen_tpu,
-        pallas_gpu=ssd_varlen_gpu,
+        pallas_tpu=functools.partial(ssd_varlen_tpu, tracked=tracked),
+        pallas_gpu=functools.partial(ssd_varlen_gpu, tracked=tracked),
     )
     return fn(
         x,

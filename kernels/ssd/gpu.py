@@ -51,7 +51,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..common import MIN_DOT_DIM, dot, pow2_at_least, process_dt, round_up, silu
-from .layout import ChunkLayout, build_chunk_layout, chunk_tokens, tracked_requests
+from .layout import (
+    ChunkLayout,
+    TrackedRequests,
+    build_chunk_layout,
+    check_tracked_requests,
+    tracked_requests,
+    tracked_rows,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +385,7 @@ def ssd_varlen_gpu(
     layout: ChunkLayout | None = None,
     return_chunk_states: bool = False,
     state_chunks: jax.Array | None = None,  # i32[K]
+    tracked: TrackedRequests | None = None,
     interpret: bool = False,
     block_sizes: GpuBlockSizes | None = None,
 ):
@@ -398,13 +406,15 @@ def ssd_varlen_gpu(
     state_dtype = jnp.float32 if initial_states is None else initial_states.dtype
     if layout is None:
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)
-    token_lo, token_count = chunk_tokens(layout, num_tokens)
+    token_lo, token_count = layout.chunk_token_lo, layout.chunk_token_count
     nc = token_lo.shape[0]
-    requests = tracked_requests(nc, state_chunks, return_chunk_states)
+    num_tracked = tracked_rows(state_chunks, nc, return_chunk_states)
+    requests = tracked
+    if requests is None:
+        requests = tracked_requests(nc, state_chunks, return_chunk_states)
+    check_tracked_requests(requests, nc, num_tracked)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq_count = jnp.where(
-        lengths > 0, layout.seq_last_chunk - layout.seq_first_chunk + 1, 0
-    ).astype(jnp.int32)
+    seq_count = layout.seq_num_chunks
     f32 = jnp.float32
     block_n = pow2_at_least(state_size)
     heads_per_group = num_heads // num_groups
@@ -455,7 +465,7 @@ def ssd_varlen_gpu(
     if initial_states is not None:
         state_operands.append(initial_states)
     state_shape = (num_heads, head_dim, state_size)
-    entering, final_states, tracked = pl.pallas_call(
+    entering, final_states, tracked_states = pl.pallas_call(
         functools.partial(
             _state_kernel,
             chunk_size=chunk_size,
@@ -476,7 +486,7 @@ def ssd_varlen_gpu(
         out_shape=(
             jax.ShapeDtypeStruct((nc, num_heads, state_size, head_dim), x.dtype),
             jax.ShapeDtypeStruct((num_seqs, *state_shape), state_dtype),
-            jax.ShapeDtypeStruct((max(requests.num_rows, 1), *state_shape), state_dtype),
+            jax.ShapeDtypeStruct((max(num_tracked, 1), *state_shape), state_dtype),
         ),
         compiler_params=plgpu.CompilerParams(num_warps=bs.state_warps, num_stages=bs.state_stages),
         interpret=interpret,
@@ -518,4 +528,4 @@ def ssd_varlen_gpu(
     )(*out_operands)
     if state_chunks is None and not return_chunk_states:
         return y, final_states
-    return y, final_states, tracked[: requests.num_rows]
+    return y, final_states, tracked_states[:num_tracked]

@@ -21,7 +21,6 @@ Notation: T tokens, H heads, P head dim, G groups, N state, S sequences, C chunk
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import dot, process_dt, silu, to_column, to_row, tpu_interpret_params
-from .layout import ChunkLayout, build_chunk_layout, to_chunks
+from .layout import (
+    ChunkLayout,
+    TrackedRequests,
+    build_chunk_layout,
+    check_tracked_requests,
+    to_chunks,
+    tracked_requests,
+    tracked_rows,
+)
 
 
 def chunk_update(
@@ -67,46 +74,6 @@ def chunk_update(
     xw = (xt.astype(jnp.float32) * w_row).astype(xt.dtype)
     new_state = jnp.exp(total) * state + dot(xw, b)  # [P, N]
     return yt, new_state
-
-
-class TrackedSlots(NamedTuple):
-    """Which chunks' end states the kernel writes, and to which row (scalar prefetch)."""
-
-    track: jax.Array  # i32[NC] 1 where the end state of the chunk is wanted
-    slot: jax.Array  # i32[NC] rank of the chunk among tracked chunks (monotone, >= 0)
-    num_slots: int  # static rows of the tracked-states output
-
-
-def tracked_slots(
-    nc: int,
-    state_chunks: jax.Array | None,  # i32[K] or None
-    all_chunks: bool,
-) -> TrackedSlots:
-    """Where each requested chunk state goes: one row per tracked chunk, in chunk order."""
-    if all_chunks:
-        track = jnp.ones((nc,), jnp.int32)
-        num_slots = nc
-    elif state_chunks is not None:
-        track = jnp.zeros((nc,), jnp.int32).at[state_chunks].set(1, mode="drop")
-        num_slots = max(1, min(nc, state_chunks.shape[0]))
-    else:
-        track = jnp.zeros((nc,), jnp.int32)
-        num_slots = 1
-    slot = jnp.maximum(jnp.cumsum(track, dtype=jnp.int32) - 1, 0)
-    return TrackedSlots(track, slot, num_slots)
-
-
-def gather_tracked(
-    states: jax.Array,  # [num_slots, H, P, N]
-    meta: TrackedSlots,
-    state_chunks: jax.Array | None,  # i32[K]
-    all_chunks: bool,
-) -> jax.Array | None:
-    if all_chunks:
-        return states
-    if state_chunks is None:
-        return None
-    return states[meta.slot[state_chunks]]
 
 
 def _kernel(
@@ -191,6 +158,7 @@ def ssd_varlen_tpu(
     layout: ChunkLayout | None = None,
     return_chunk_states: bool = False,
     state_chunks: jax.Array | None = None,  # i32[K]
+    tracked: TrackedRequests | None = None,
     interpret=False,
 ):
     """Same contract as :func:`jaxmamba.kernels.ssd.ssd_varlen`.
@@ -207,16 +175,18 @@ def ssd_varlen_tpu(
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)
     nc = layout.token_index.shape[0]
     idx = layout.token_index
-    meta = tracked_slots(nc, state_chunks, return_chunk_states)
+    num_tracked = tracked_rows(state_chunks, nc, return_chunk_states)
+    if tracked is None:
+        tracked = tracked_requests(nc, state_chunks, return_chunk_states)
+    check_tracked_requests(tracked, nc, num_tracked)
+    # One output row per requested chunk (in chunk order), gathered per request afterwards.
+    track = (tracked.hi > tracked.lo).astype(jnp.int32)
+    num_slots = max(1, min(nc, num_tracked))
 
     # Unused chunks (after the last used one) continue the last used chunk's sequence with no
     # tokens, so they leave its state and its final-state block unchanged. Chunk 0 always
-    # (re)starts from an initial state, which also covers a batch with no tokens at all.
-    used = layout.chunk_seq < num_seqs
-    num_used = jnp.sum(used, dtype=jnp.int32)
-    last_seq = jnp.where(num_used > 0, layout.chunk_seq[jnp.maximum(num_used - 1, 0)], 0)
-    seq_eff = jnp.where(used, layout.chunk_seq, last_seq).astype(jnp.int32)
-    first_eff = (layout.chunk_first | (jnp.arange(nc) == 0)).astype(jnp.int32)
+    # (re)starts from an initial state, which also covers a batch with no tokens at all
+    # (``layout.scan_seq``, ``layout.scan_first``).
 
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # f32[T, H]
     xt = to_chunks(x, idx).transpose(2, 0, 3, 1)  # [H, NC, P, C]
@@ -263,7 +233,7 @@ def ssd_varlen_tpu(
     out_shape = (
         jax.ShapeDtypeStruct(xt.shape, x.dtype),
         jax.ShapeDtypeStruct(init.shape, state_dtype),
-        jax.ShapeDtypeStruct((meta.num_slots, num_heads, head_dim, state_size), state_dtype),
+        jax.ShapeDtypeStruct((num_slots, num_heads, head_dim, state_size), state_dtype),
     )
     out_specs = (
         xt_spec,
@@ -286,11 +256,10 @@ def ssd_varlen_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=tpu_interpret_params(interpret),
         name="ssd_varlen_tpu",
-    )(seq_eff, first_eff, meta.track, meta.slot, *operands)
+    )(layout.scan_seq, layout.scan_first, track, tracked.rank, *operands)
 
     y = yt.transpose(1, 3, 0, 2).reshape(nc * chunk_size, num_heads, head_dim)
     y = jnp.zeros_like(x).at[idx.reshape(-1)].set(y, mode="drop")
-    tracked = gather_tracked(states, meta, state_chunks, return_chunk_states)
-    if tracked is None:
+    if state_chunks is None and not return_chunk_states:
         return y, final_states
-    return y, final_states, tracked
+    return y, final_states, states[tracked.request_rank[:num_tracked]]
