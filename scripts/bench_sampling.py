@@ -1,69 +1,190 @@
-"""Time the on-device sampler at Nemotron-H's vocabulary (131072) for decode batch sizes.
+"""Time the on-device sampler at Nemotron-H's vocabulary (131072) for decode batch sizes, and
+check what a device-side `lax.cond` costs the host on this backend.
 
-`sample` runs with every feature of a step: logit_bias, min_tokens, the penalties (their
-per-row `[B, V]` state), top-k/top-p/min-p. Beside it, the two pieces it spends separately: a
-full-vocabulary `jnp.sort` per row (the cut-off), and `lax.top_k` of the 20 raw top logprobs.
+`sample` runs as the engine's step runs it (every argument: logit_bias, min_tokens, the
+penalties' per-row `[B, V]` state) over batches whose rows all ask for the same thing: greedy,
+temperature only (`vllm bench throughput`'s default), top-k 50 (served by the prefilter), top-p
+0.9 (the full sort), and the mixed batch of the older tables (greedy, temperature, top-k 50,
+top-p 0.9, min-p 0.05). `prefilter=0` is the sampler that always sorts. Beside it, the top-20
+logprobs alone, one `lax.top_k` against the two-stage `top_k_blocked` for several blocks.
 
-    python scripts/bench_sampling.py [--vocab 131072] [--batch 1 32 128 256]
+`--cond-probe`: a program of ~5 ms of matmuls, then a `lax.cond` on a device value (or the
+same choice as a `jnp.where`); how long the host waits in the call (dispatch) against the
+program's time. A backend that reads the predicate on the host returns from the call only
+when the device reaches the cond.
+
+    python scripts/bench_sampling.py [--vocab 131072] [--batch 1 32 128 256] [--cond-probe]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import time
 
 import bench_common as bc
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, Penalties, sample
+from jaxmamba.model.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_IDS,
+    Penalties,
+    sample,
+    top_k_blocked,
+)
+
+MIXES = ("greedy", "temperature", "top_k50", "top_p0.9", "mixed")
 
 
 def median_us(fn, *args, reps: int = 30) -> float:
     return bc.median_time(lambda: fn(*args), reps) * 1e6
 
 
+def sampling_args(mix: str, b: int, vocab: int, rng) -> tuple:
+    kind = np.arange(b) % 4 if mix == "mixed" else np.full(b, MIXES.index(mix))
+    if mix == "mixed":
+        kind = np.array([0, 1, 2, 3])[kind]
+    temperature = np.where(kind == 0, 0.0, 0.8).astype(np.float32)
+    top_k = np.where(kind == 2, 50, 0).astype(np.int32)
+    top_p = np.where(kind == 3, 0.9, 1.0).astype(np.float32)
+    min_p = np.full(b, 0.05 if mix == "mixed" else 0.0, np.float32)
+    stop_ids = rng.integers(0, vocab, (b, MAX_STOP_IDS))
+    bias_ids = np.full((b, MAX_LOGIT_BIAS), -1)
+    bias_ids[:, :8] = rng.integers(0, vocab, (b, 8))
+    penalties = Penalties(
+        jnp.asarray(rng.random((b, vocab)) < 0.01),
+        jnp.asarray(rng.poisson(0.01, (b, vocab)), jnp.int32),
+        jnp.zeros(b, jnp.float32),
+        jnp.zeros(b, jnp.float32),
+        jnp.ones(b, jnp.float32),
+    )
+    return (
+        jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k),
+        jnp.arange(b, dtype=jnp.uint32), jnp.full(b, 5, jnp.int32), jnp.asarray(min_p),
+        jnp.full(b, 0, jnp.int32), jnp.asarray(stop_ids, jnp.int32),
+        jnp.asarray(bias_ids, jnp.int32), jnp.zeros((b, MAX_LOGIT_BIAS), jnp.float32), penalties,
+    )  # fmt: skip
+
+
+def bench_sampler(vocab: int, batches: list[int]) -> list[dict]:
+    fast = jax.jit(sample)
+    full = jax.jit(functools.partial(sample, prefilter=0))
+    rows = []
+    for b in batches:
+        rng = np.random.default_rng(b)
+        logits = jnp.asarray(rng.standard_normal((b, vocab), np.float32) * 4)
+        row = {"batch": b}
+        for mix in MIXES:
+            args = sampling_args(mix, b, vocab, rng)
+            a, c = fast(logits, *args), full(logits, *args)
+            same = bool(np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens)))
+            row[mix] = median_us(fast, logits, *args)
+            row[mix + "_sort"] = median_us(full, logits, *args)
+            row[mix + "_same_tokens"] = same
+        row["top20_lax"] = median_us(jax.jit(lambda x: jax.lax.top_k(x, MAX_LOGPROBS)), logits)
+        for block in (1024, 2048, 4096, 8192):
+            fn = jax.jit(functools.partial(top_k_blocked, k=MAX_LOGPROBS, block=block))
+            assert np.array_equal(
+                np.asarray(fn(logits)[1]), np.asarray(jax.lax.top_k(logits, 20)[1])
+            )
+            row[f"top20_block{block}"] = median_us(fn, logits)
+        row["top64_block2048"] = median_us(
+            jax.jit(functools.partial(top_k_blocked, k=64, block=2048)), logits
+        )
+        row["sort"] = median_us(jax.jit(lambda x: jnp.sort(x, axis=-1)), logits)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def cond_probe() -> dict:
+    key = jax.random.PRNGKey(0)
+    w = jax.random.normal(key, (8192, 8192), jnp.bfloat16) * 0.01
+    x = jax.random.normal(key, (8192, 8192), jnp.bfloat16)
+
+    def heavy(x):
+        for _ in range(6):  # ~1.4 TFLOP: a few ms
+            x = jnp.tanh(x @ w)
+        return x
+
+    def with_cond(x):
+        y = heavy(x)
+        return jax.lax.cond(
+            jnp.sum(y[0].astype(jnp.float32)) > 0, lambda v: v * 2, lambda v: v * 3, y
+        )
+
+    def with_where(x):
+        y = heavy(x)
+        return jnp.where(jnp.sum(y[0].astype(jnp.float32)) > 0, y * 2, y * 3)
+
+    from jaxmamba.engine.runner import score_prompt_tokens
+
+    lm_head = jax.random.normal(key, (4480, 131072), jnp.bfloat16) * 0.02
+    targets = jnp.where(jnp.arange(256) % 2 == 0, jnp.arange(256), -1)
+
+    def with_prompt_logprobs(x):  # the engine step's lax.cond, after the same work
+        y = heavy(x)
+        logits_of = lambda h: jnp.dot(h, lm_head, preferred_element_type=jnp.float32)  # noqa: E731
+        scored = score_prompt_tokens(logits_of, y[:256, :4480], targets)
+        return y.at[0, 0].add(scored[0, 0].astype(y.dtype))
+
+    out = {}
+    probes = (
+        ("cond", jax.jit(with_cond)),
+        ("where", jax.jit(with_where)),
+        ("prompt_logprobs_cond", jax.jit(with_prompt_logprobs)),
+    )
+    for name, fn in probes:
+        jax.block_until_ready(fn(x))
+        dispatch, total = [], []
+        for _ in range(15):
+            start = time.perf_counter()
+            y = fn(x)
+            dispatch.append(time.perf_counter() - start)
+            jax.block_until_ready(y)
+            total.append(time.perf_counter() - start)
+        # Ten calls queued back to back: a host-side read stalls the queue between them.
+        start = time.perf_counter()
+        y = x
+        for _ in range(10):
+            y = fn(y)
+        jax.block_until_ready(y)
+        out[name] = {
+            "dispatch_ms": float(np.median(dispatch) * 1e3),
+            "total_ms": float(np.median(total) * 1e3),
+            "ten_queued_ms": (time.perf_counter() - start) * 1e3,
+        }
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--vocab", type=int, default=131072)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128, 256])
+    p.add_argument("--cond-probe", action="store_true")
+    p.add_argument("--out", default="")
     args = p.parse_args()
-    sample_jit = jax.jit(sample)
-    sort_jit = jax.jit(lambda x: jnp.sort(x, axis=-1))
-    top_k_jit = jax.jit(lambda x: jax.lax.top_k(x, MAX_LOGPROBS))
-    rows = []
-    for b in args.batch:
-        rng = np.random.default_rng(b)
-        logits = jnp.asarray(rng.standard_normal((b, args.vocab), np.float32) * 4)
-        # A mixed batch: greedy, temperature only, top-k 50, top-p 0.9.
-        kind = np.arange(b) % 4
-        temperature = jnp.asarray(np.where(kind == 0, 0.0, 0.8), jnp.float32)
-        top_k = jnp.asarray(np.where(kind == 2, 50, 0), jnp.int32)
-        top_p = jnp.asarray(np.where(kind == 3, 0.9, 1.0), jnp.float32)
-        seeds = jnp.arange(b, dtype=jnp.uint32)
-        counters = jnp.zeros(b, jnp.int32)
-        min_p = jnp.full(b, 0.05, jnp.float32)
-        min_tokens = jnp.full(b, 4, jnp.int32)
-        stop_ids = jnp.asarray(rng.integers(0, args.vocab, (b, MAX_STOP_IDS)), jnp.int32)
-        bias_ids = jnp.asarray(rng.integers(0, args.vocab, (b, MAX_LOGIT_BIAS)), jnp.int32)
-        bias_values = jnp.asarray(rng.uniform(-5, 5, (b, MAX_LOGIT_BIAS)), jnp.float32)
-        penalties = Penalties(
-            jnp.asarray(rng.random((b, args.vocab)) < 0.01),
-            jnp.asarray(rng.poisson(0.01, (b, args.vocab)), jnp.int32),
-            jnp.full(b, 0.5, jnp.float32),
-            jnp.full(b, 0.5, jnp.float32),
-            jnp.full(b, 1.2, jnp.float32),
-        )
-        t_sample = median_us(
-            sample_jit, logits, temperature, top_p, top_k, seeds, counters, min_p, min_tokens,
-            stop_ids, bias_ids, bias_values, penalties,
-        )  # fmt: skip
-        rows.append((b, t_sample, median_us(sort_jit, logits), median_us(top_k_jit, logits)))
-    print(f"{jax.devices()[0].device_kind}, vocab {args.vocab}, jax {jax.__version__}")
-    print("| batch | sample µs | full sort µs | top-20 µs |")
-    print("|---|---|---|---|")
-    for b, t_sample, t_sort, t_top in rows:
-        print(f"| {b} | {t_sample:.0f} | {t_sort:.0f} | {t_top:.0f} |")
+    record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    if args.cond_probe:
+        record["cond_probe"] = cond_probe()
+    record["sampler"] = rows = bench_sampler(args.vocab, args.batch)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    print(f"{record['device']}, vocab {args.vocab}, jax {jax.__version__}; µs, median of 30")
+    print(
+        "| batch | " + " | ".join(f"{m} (sort)" for m in MIXES) + " | top-20 lax / blocked 2048 |"
+    )
+    print("|---" * (len(MIXES) + 2) + "|")
+    for r in rows:
+        cells = [f"{r[m]:.0f} ({r[m + '_sort']:.0f})" for m in MIXES]
+        print(f"| {r['batch']} | " + " | ".join(cells)
+              + f" | {r['top20_lax']:.0f} / {r['top20_block2048']:.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,12 +1,29 @@
-"""The sampler's top-k / top-p cut-off and its draws against a float64 sort in numpy."""
+"""The sampler's top-k / top-p cut-off and its draws against a float64 sort in numpy and HF's
+warpers; the bounded paths (the two-stage top-k, the prefiltered cut-off, the all-greedy
+step) against the full sort."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from jaxmamba.model.sampling import MAX_LOGPROBS, filter_cutoff, sample
+from jaxmamba.model import sampling
+from jaxmamba.model.sampling import (
+    MAX_LOGPROBS,
+    filter_cutoff,
+    sample,
+    sampling_cutoff,
+    top_k_blocked,
+)
 from jaxmamba.sampling_params import NOT_IMPLEMENTED, SamplingParams
 
 
@@ -173,3 +190,113 @@ def test_unimplemented_fields_raise_instead_of_being_ignored(field):
     }[field]  # fmt: skip
     with pytest.raises(NotImplementedError, match=field):
         SamplingParams(**{field: value})
+
+
+def tied_logits(rng, rows: int, vocab: int) -> np.ndarray:
+    logits = rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 4, (rows, 1))
+    return (np.round(logits * 4) / 4).astype(np.float32)  # many ties
+
+
+@pytest.mark.parametrize("vocab, block, k", [(1000, 64, 20), (4099, 128, 64), (777, 32, 32)])
+def test_two_stage_top_k_gives_lax_top_k_ids_with_ties(vocab, block, k):
+    rng = np.random.default_rng(vocab)
+    x = tied_logits(rng, 6, vocab)
+    x[1] = 0.25  # one value everywhere: the lowest ids win
+    x[2, ::3] = -np.inf  # masked entries
+    top, ids = top_k_blocked(jnp.asarray(x), k, block=block)
+    want_top, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(top), np.asarray(want_top))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(ids[1]), np.arange(k))
+
+
+def edge_rows(rng, vocab: int):
+    """Rows covering the filter's edge cases: ties at the cut, top-k >= V, top-p with and
+    without top-k, min-p, no filter; top-k both inside and beyond a prefilter of 16."""
+    cases = [  # (top_k, top_p, min_p)
+        (0, 1.0, 0.0), (1, 1.0, 0.0), (5, 1.0, 0.0), (16, 1.0, 0.0), (17, 1.0, 0.0),
+        (vocab, 1.0, 0.0), (vocab + 7, 0.9, 0.0), (0, 0.9, 0.0), (0, 0.3, 0.0), (8, 0.8, 0.0),
+        (12, 0.5, 0.1), (0, 1.0, 0.05), (3, 1.0, 0.5), (16, 0.95, 0.02),
+    ]  # fmt: skip
+    columns = list(zip(*cases, strict=True))
+    top_k = np.array(columns[0], np.int32)
+    top_p = np.array(columns[1], np.float32)
+    min_p = np.array(columns[2], np.float32)
+    scaled = tied_logits(rng, len(cases), vocab)
+    scaled[4, :40] = scaled[4].max() + 1  # 40 copies of the largest value: top-17 keeps all
+    scaled[3, 10:30] = np.sort(scaled[3])[-16]  # copies of the 16th value past the prefilter
+    return scaled, top_k, top_p, min_p
+
+
+def served_by_prefilter(scaled, top_k, top_p, min_p, prefilter: int) -> np.ndarray:
+    """bool[B]: rows whose kept set lies inside the `prefilter` largest logits (or no filter)."""
+    unfiltered = (top_k == 0) & (top_p >= 1) & (min_p <= 0)
+    kth = -np.sort(-scaled, axis=-1)[np.arange(len(top_k)), np.clip(top_k, 1, prefilter) - 1]
+    holds_all = np.sum(scaled >= kth[:, None], axis=-1) <= prefilter
+    return unfiltered | ((top_k >= 1) & (top_k <= prefilter) & holds_all)
+
+
+def hf_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    scores = torch.from_numpy(scaled[None].astype(np.float32))
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    warpers = [TemperatureLogitsWarper(1.0)]
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(int(top_k)))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(float(top_p)))
+    if min_p > 0.0:
+        warpers.append(MinPLogitsWarper(float(min_p)))
+    for warper in warpers:
+        scores = warper(ids, scores)
+    return np.isfinite(scores[0].numpy())
+
+
+@pytest.mark.parametrize("vocab", [300, 2500])
+def test_prefiltered_cutoff_is_the_sorted_one_and_keeps_the_hf_set(vocab, monkeypatch):
+    monkeypatch.setattr(sampling, "TOP_K_BLOCK", 256)  # the two-stage top-k at vocab 2500
+    rng = np.random.default_rng(vocab)
+    scaled, top_k, top_p, min_p = edge_rows(rng, vocab)
+    args = [jnp.asarray(a) for a in (scaled, top_k, top_p, min_p)]
+    sorted_cut = np.asarray(filter_cutoff(-jnp.sort(-args[0], axis=-1), *args[1:]))
+    rows = len(top_k)
+    unfiltered = (top_k == 0) & (top_p >= 1) & (min_p <= 0)
+    served = served_by_prefilter(scaled, top_k, top_p, min_p, 16)
+    assert unfiltered.sum() >= 1 and 4 < served.sum() < rows
+    # The three branches: nothing cut, the prefilter's candidates, the sort.
+    for drawing in (unfiltered, served, np.ones(rows, bool)):
+        cut = np.asarray(sampling_cutoff(*args, drawing=jnp.asarray(drawing), prefilter=16))
+        for r in np.flatnonzero(drawing):
+            kept = scaled[r] >= cut[r]
+            np.testing.assert_array_equal(kept, scaled[r] >= sorted_cut[r], err_msg=f"row {r}")
+            hf = hf_kept(scaled[r], int(top_k[r]), float(top_p[r]), float(min_p[r]))
+            np.testing.assert_array_equal(kept, hf, err_msg=f"row {r} vs HF")
+
+
+def test_prefiltered_draws_are_the_full_sort_draws():
+    rng = np.random.default_rng(3)
+    vocab = 700
+    scaled, top_k, top_p, min_p = edge_rows(rng, vocab)
+    rows = len(top_k)
+    temperature = rng.choice([0.0, 0.5, 1.0, 1.7], rows).astype(np.float32)
+    temperature[:3] = 0.0
+    temperature[(top_k == 0) & (top_p >= 1) & (min_p <= 0)] = 0.9  # the unfiltered rows draw
+    for mix in ("all", "prefiltered", "unfiltered", "greedy"):
+        t = temperature.copy()
+        if mix == "prefiltered":  # only rows a prefilter of 16 serves draw
+            t[~served_by_prefilter(scaled, top_k, top_p, min_p, 16)] = 0.0
+        elif mix == "unfiltered":
+            t[~((top_k == 0) & (top_p >= 1) & (min_p <= 0))] = 0.0
+        elif mix == "greedy":
+            t[:] = 0.0
+        for draw in range(3):
+            args = (
+                jnp.asarray(scaled), jnp.asarray(t), jnp.asarray(top_p), jnp.asarray(top_k),
+                jnp.arange(rows, dtype=jnp.uint32) + 17 * draw, jnp.full((rows,), draw, jnp.int32),
+                jnp.asarray(min_p),
+            )  # fmt: skip
+            fast = sample(*args, prefilter=16)
+            full = sample(*args, prefilter=0)
+            for a, b in zip(fast, full, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=mix)
+            greedy = np.argmax(scaled, axis=-1)
+            np.testing.assert_array_equal(np.asarray(fast.tokens)[t == 0], greedy[t == 0])
