@@ -1,0 +1,146 @@
+"""Offline throughput through `LLM.generate`, as `vllm bench throughput` runs it on its random
+dataset: every request at once, random prompt and output lengths, `ignore_eos`, temperature 1.
+
+Prefix caching is off unless asked for (the prompts share nothing) and the cache is sized by
+`--kv-cache-gib` (no memory probing at start-up). Three passes over requests of the same
+lengths (fresh random tokens each time): a warm-up that compiles every bucket the schedule
+meets, the timed pass (output tokens/s), and a pass driven step by step through the engine
+whose steps
+`--profile-from`..+`--profile-steps` run under the JAX profiler: the device's busy time over that
+window's span shows how much of a step the host costs (a host-bound loop leaves the device idle).
+
+    python3 scripts/bench_throughput.py [--model nemotron-nano-9b-v2] [--num-prompts 64]
+        [--input-len 256 1024] [--output-len 64 256] [--out throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+from jaxmamba import LLM, SamplingParams
+from jaxmamba.bench import device_kernel_events, load_trace_events
+
+
+def busy_seconds(kernels: list[dict]) -> float:
+    """The time some stream of the device is running something (overlaps counted once)."""
+    busy, end = 0.0, -float("inf")
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy * 1e-6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="nemotron-nano-9b-v2")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[256, 1024])
+    p.add_argument("--output-len", type=int, nargs=2, default=[64, 256])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--kv-cache-gib", type=float, default=40.0, help="cache size (no probing)")
+    p.add_argument("--prefix-caching", action="store_true", help="random prompts share nothing")
+    p.add_argument("--profile-from", type=int, default=40)
+    p.add_argument("--profile-steps", type=int, default=24)
+    p.add_argument("--trace-dir", default="/tmp/jaxmamba-throughput-trace")
+    p.add_argument("--out", default="throughput.json")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.input_len[1] + args.output_len[1] + 16,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.prefix_caching,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+    )
+    vocab = llm.model_cfg.vocab_size
+    rng = np.random.default_rng(0)
+    out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, args.num_prompts)
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=int(n), ignore_eos=True)
+        for n in out_lens
+    ]
+    in_lens = rng.integers(args.input_len[0], args.input_len[1] + 1, args.num_prompts)
+
+    def prompts(seed: int):
+        r = np.random.default_rng(seed)
+        return [r.integers(0, vocab, int(n)).tolist() for n in in_lens]
+
+    print(
+        f"{jax.devices()[0].device_kind}: LLM ready in {time.perf_counter() - t0:.0f} s", flush=True
+    )
+    record = {
+        "args": vars(args),
+        "input_tokens": int(in_lens.sum()),
+        "output_tokens": int(out_lens.sum()),
+    }
+    start = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts(1), sampling_params=params, use_tqdm=False)
+    record["warmup_s"] = time.perf_counter() - start
+    compiles = llm.engine.runner.num_compiles
+    before = llm.engine.counters()
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts(2), sampling_params=params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    after = llm.engine.counters()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert generated == record["output_tokens"], (generated, record["output_tokens"])
+    record.update(
+        timed_s=elapsed,
+        output_tokens_per_s=generated / elapsed,
+        total_tokens_per_s=(generated + record["input_tokens"]) / elapsed,
+        requests_per_s=args.num_prompts / elapsed,
+        compiles_in_timed_pass=llm.engine.runner.num_compiles - compiles,
+        steps={k: after[k] - before[k] for k in after if k.endswith("steps")},
+    )
+    print(json.dumps(record), flush=True)
+
+    # The profiled window: the same schedule again, step by step.
+    engine = llm.engine
+    for i, (ids, sp) in enumerate(zip(prompts(3), params, strict=True)):
+        engine.add_request(f"profiled-{i}", {"prompt": None, "prompt_token_ids": ids}, sp)
+    step = 0
+    window = None
+    while engine.has_unfinished_requests():
+        if step == args.profile_from:
+            jax.profiler.start_trace(args.trace_dir)
+            window = time.perf_counter()
+        engine.step()
+        step += 1
+        if window is not None and step == args.profile_from + args.profile_steps:
+            jax.block_until_ready(engine.runner.cache)
+            span = time.perf_counter() - window
+            jax.profiler.stop_trace()
+            window = None
+            kernels = device_kernel_events(load_trace_events(args.trace_dir))
+            busy = busy_seconds(kernels)
+            record["profiled_window"] = {
+                "steps": args.profile_steps,
+                "wall_s": span,
+                "device_busy_s": busy,
+                "busy_fraction": busy / span,
+                "wall_ms_per_step": span / args.profile_steps * 1e3,
+            }
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps(record.get("profiled_window")))
+    print(
+        f"throughput: {args.num_prompts} requests, {record['input_tokens']} prompt + "
+        f"{record['output_tokens']} output tokens in {elapsed:.2f} s: "
+        f"{record['output_tokens_per_s']:,.0f} output tok/s, "
+        f"{record['total_tokens_per_s']:,.0f} total tok/s; steps {record['steps']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
