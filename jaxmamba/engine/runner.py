@@ -9,6 +9,7 @@ compiles once.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from typing import TYPE_CHECKING, NamedTuple
@@ -195,20 +196,44 @@ class ModelRunner:
         dtype=jnp.float32,
         impl: str = "auto",
         small_m_impl: str | None = None,
+        tensor_parallel_size: int = 1,
+        mesh=None,
     ):
+        """`tensor_parallel_size > 1`: the model runs sharded over a mesh of that many
+        devices (`mesh`, default the first devices; jaxmamba.parallel); `params` are the
+        whole model's, as loaded."""
         from jaxmamba.model.model import Mamba2HybridLM
 
         self.cfg = cfg
-        self.params = params
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
-        self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
-        self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
-        self.slot_state = SlotState(
+        self.tensor_parallel_size = tensor_parallel_size
+        slot_state = SlotState(
             jnp.zeros(cache_spec.num_slots + 1, jnp.int32),
             init_penalty_state(cache_spec.num_slots, cfg.vocab_size),
         )
-        self._static = dict(model=self.model, spec=cache_spec)
+        self._put_inputs = jax.device_put
+        if tensor_parallel_size == 1 and mesh is None:
+            self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
+            self.params = params
+            self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
+            self._static = dict(model=self.model, spec=cache_spec)
+            self._jit_step, self._jit_logits = jitted_step, jitted_logits
+        else:
+            from jaxmamba.parallel import sharding, step
+
+            mesh_plan = step.mesh_plan(cfg, tensor_parallel_size, mesh)
+            plan, replicated = mesh_plan.plan, sharding.replicated(mesh_plan.mesh)
+            self.model = Mamba2HybridLM(plan.shard_config(), self.dtype, impl, small_m_impl,
+                                        plan.layout())  # fmt: skip
+            self.params = sharding.shard_params(plan, params, mesh_plan.mesh)
+            self.cache = sharding.init_sharded_cache(plan, cache_spec, self.dtype,
+                                                     mesh_plan.mesh)  # fmt: skip
+            slot_state = jax.device_put(slot_state, replicated)
+            self._put_inputs = functools.partial(jax.device_put, device=replicated)
+            self._static = dict(model=self.model, spec=cache_spec, mesh_plan=mesh_plan)
+            self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
+        self.slot_state = slot_state
 
     @property
     def num_compiles(self) -> int:
@@ -221,21 +246,23 @@ class ModelRunner:
 
     def forward_logits(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Like `step`, but returns float32 logits for every token `[T, V]` (scoring, tests)."""
-        logits, self.cache = jitted_logits(
-            self.params, self.cache, jax.device_put(inputs), num_decode=num_decode, **self._static
-        )
+        logits, self.cache = self._jit_logits(
+            self.params, self.cache, self._put_inputs(inputs), num_decode=num_decode,
+            **self._static,
+        )  # fmt: skip
         return logits
 
     def step(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Dispatch one step; returns the packed device output without waiting for it."""
-        packed, self.cache, self.slot_state = jitted_step(
-            self.params, self.cache, self.slot_state, jax.device_put(inputs),
+        packed, self.cache, self.slot_state = self._jit_step(
+            self.params, self.cache, self.slot_state, self._put_inputs(inputs),
             num_decode=num_decode, **self._static,
         )  # fmt: skip
         return packed
 
     def step_args(self, inputs: StepInputs, num_decode: int) -> tuple[tuple, dict]:
-        """`(args, kwargs)` of `jitted_step` for these inputs (lowering, export)."""
+        """`(args, kwargs)` of `jitted_step` (or the tensor-parallel `jitted_tp_step`) for
+        these inputs (lowering, export)."""
         kwargs = dict(num_decode=num_decode, **self._static)
         return (self.params, self.cache, self.slot_state, inputs), kwargs
 
@@ -245,11 +272,11 @@ class ModelRunner:
         8): XLA's compiles release the GIL, so they overlap (tracing does not)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        inputs = [jax.device_put(build_inputs(bucket)) for bucket in buckets]
+        inputs = [self._put_inputs(build_inputs(bucket)) for bucket in buckets]
 
         def compile_one(bucket, x):
             args, kwargs = self.step_args(x, bucket.num_decode)
-            jitted_step.lower(*args, **kwargs).compile()  # fills jitted_step's own cache
+            self._jit_step.lower(*args, **kwargs).compile()  # fills the jit's own cache
 
         workers = workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max(1, workers)) as pool:

@@ -11,6 +11,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.attention import paged_attention, write_kv
 from jaxmamba.model.layers import Dtype, Linear
 from jaxmamba.model.metadata import ForwardMetadata
+from jaxmamba.parallel.collectives import ShardLayout
 
 
 def apply_rope(
@@ -31,10 +32,11 @@ def apply_rope(
 
 
 class Attention(nn.Module):
-    cfg: ModelConfig
+    cfg: ModelConfig  # under tensor parallelism, one shard's (jaxmamba.parallel)
     dtype: Dtype
     impl: str = "auto"
     small_m_impl: str | None = None  # see Linear
+    tp: ShardLayout | None = None
 
     @nn.compact
     def __call__(
@@ -48,8 +50,8 @@ class Attention(nn.Module):
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
         num_tokens = x.shape[0]
-        linear = lambda features, axes, name: Linear(  # noqa: E731
-            features, axes, bias, self.dtype, self.small_m_impl, name=name
+        linear = lambda features, axes, name, reduce=None: Linear(  # noqa: E731
+            features, axes, bias, self.dtype, self.small_m_impl, reduce, name=name
         )
         q = linear(hq * dh, ("embed", "q_heads"), "q_proj")(x).reshape(num_tokens, hq, dh)
         k = linear(hkv * dh, ("embed", "kv_heads"), "k_proj")(x).reshape(num_tokens, hkv, dh)
@@ -76,7 +78,8 @@ class Attention(nn.Module):
             blocks=meta.attention_blocks,
             impl=self.impl,
         )
-        out = linear(cfg.hidden_size, ("q_heads", "embed"), "o_proj")(
+        reduce = None if self.tp is None else self.tp.axis
+        out = linear(cfg.hidden_size, ("q_heads", "embed"), "o_proj", reduce)(
             o.reshape(num_tokens, hq * dh)
         )
         return out, k_pages, v_pages

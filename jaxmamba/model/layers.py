@@ -15,6 +15,7 @@ from jax import lax
 
 from jaxmamba.kernels.common import matmul_precision
 from jaxmamba.kernels.matmul import MAX_ROWS, small_m_matmul
+from jaxmamba.parallel.collectives import ShardLayout, group_mean_square
 
 Dtype = Any
 
@@ -24,6 +25,10 @@ class Linear(nn.Module):
 
     `small_m_impl` (None: always XLA's dot) routes inputs of at most `MAX_ROWS` rows — decode
     steps — through `small_m_matmul` with that impl; longer inputs keep XLA's dot.
+
+    `reduce_axis` (tensor parallelism, inside `shard_map`): the input features are split
+    over that mesh axis (a row-parallel projection), so the float32 partial products are
+    summed over it (one all-reduce) before the bias.
     """
 
     features: int
@@ -31,6 +36,7 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: Dtype = jnp.float32
     small_m_impl: str | None = None
+    reduce_axis: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -48,12 +54,14 @@ class Linear(nn.Module):
             y = small_m_matmul(
                 x.reshape(rows, x.shape[-1]),
                 kernel.astype(self.dtype),
-                out_dtype=jnp.float32 if self.use_bias else self.dtype,
+                out_dtype=jnp.float32 if self.use_bias or self.reduce_axis else self.dtype,
                 impl=self.small_m_impl,
             ).reshape(*x.shape[:-1], self.features)
         else:
             precision = matmul_precision(self.dtype)
             y = jnp.dot(x, kernel, preferred_element_type=jnp.float32, precision=precision)
+        if self.reduce_axis is not None:
+            y = lax.psum(y.astype(jnp.float32), self.reduce_axis)
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -88,12 +96,14 @@ class RMSNorm(nn.Module):
 class GatedGroupRMSNorm(nn.Module):
     """`rmsnorm(y * silu(z))` normalised within `num_groups` equal groups of the last axis;
     with `normalize=False` just `y * silu(z)`, without parameters (Falcon-H1's
-    `mamba_rms_norm=False`)."""
+    `mamba_rms_norm=False`). Under tensor parallelism (`tp`) `y`/`z` are one shard's columns
+    and the groups are `tp.norm_group_size` columns wide, whatever `num_groups` says."""
 
     num_groups: int
     eps: float
     dtype: Dtype = jnp.float32
     normalize: bool = True
+    tp: ShardLayout | None = None
 
     @nn.compact
     def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
@@ -108,6 +118,9 @@ class GatedGroupRMSNorm(nn.Module):
             jnp.float32,
         )
         y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        if self.tp is not None:
+            ms = group_mean_square(y.reshape(-1, width), self.tp.norm_group_size, self.tp)
+            return (scale * y * lax.rsqrt(ms.reshape(y.shape) + self.eps)).astype(self.dtype)
         grouped = y.reshape(*y.shape[:-1], self.num_groups, width // self.num_groups)
         grouped = grouped * lax.rsqrt(
             jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps
@@ -134,11 +147,12 @@ class MLP(nn.Module):
     activation: str = "relu2"
     dtype: Dtype = jnp.float32
     small_m_impl: str | None = None
+    reduce_axis: str | None = None  # tensor parallelism: down_proj's all-reduce (see Linear)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        linear = lambda features, axes, name: Linear(  # noqa: E731
-            features, axes, self.use_bias, self.dtype, self.small_m_impl, name=name
+        linear = lambda features, axes, name, reduce=None: Linear(  # noqa: E731
+            features, axes, self.use_bias, self.dtype, self.small_m_impl, reduce, name=name
         )
         F = self.intermediate_size
         if self.activation == "relu2":
@@ -148,4 +162,4 @@ class MLP(nn.Module):
             up = linear(F, ("embed", "mlp"), "up_proj")(x)
             h = jnp.concatenate([gate, up], axis=-1).astype(jnp.float32)
         h = activate(h, self.activation).astype(self.dtype)
-        return linear(self.hidden_size, ("mlp", "embed"), "down_proj")(h)
+        return linear(self.hidden_size, ("mlp", "embed"), "down_proj", self.reduce_axis)(h)

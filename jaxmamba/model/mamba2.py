@@ -20,6 +20,7 @@ from jaxmamba.kernels.ssd import ssd_varlen
 from jaxmamba.kernels.state_update import selective_state_update
 from jaxmamba.model.layers import Dtype, GatedGroupRMSNorm, Linear
 from jaxmamba.model.metadata import ForwardMetadata
+from jaxmamba.parallel.collectives import ShardLayout
 
 
 def _a_log_init(key, shape, dtype=jnp.float32):
@@ -61,10 +62,11 @@ class DepthwiseConvWeights(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    cfg: ModelConfig
+    cfg: ModelConfig  # under tensor parallelism, one shard's (jaxmamba.parallel)
     dtype: Dtype = jnp.float32
     impl: str = "auto"
     small_m_impl: str | None = None  # see Linear
+    tp: ShardLayout | None = None
 
     @nn.compact
     def __call__(
@@ -169,13 +171,16 @@ class Mamba2Mixer(nn.Module):
 
         y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
         y = y.reshape(num_tokens, d_inner)
-        y = GatedGroupRMSNorm(G, cfg.norm_eps, self.dtype, cfg.mamba_rms_norm, name="norm")(y, z)
+        y = GatedGroupRMSNorm(
+            G, cfg.norm_eps, self.dtype, cfg.mamba_rms_norm, self.tp, name="norm"
+        )(y, z)
         out = Linear(
             cfg.hidden_size,
             ("mamba_inner", "embed"),
             cfg.mamba_proj_bias,
             self.dtype,
             self.small_m_impl,
+            None if self.tp is None else self.tp.axis,
             name="out_proj",
         )(y)
         return out, conv_pool, ssm_pool

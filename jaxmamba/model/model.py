@@ -20,6 +20,7 @@ from jaxmamba.model.layers import MLP, Dtype, RMSNorm, matmul_precision
 from jaxmamba.model.mamba2 import Mamba2Mixer
 from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.model.moe import MoE
+from jaxmamba.parallel.collectives import ShardLayout, embed_lookup, gather_logits
 
 # Logical axis names used by parameters and caches. A sharding rule maps each to a mesh axis.
 LOGICAL_AXES = (
@@ -37,14 +38,15 @@ class ParallelMixer(nn.Module):
     dtype: Dtype
     impl: str = "auto"
     small_m_impl: str | None = None
+    tp: ShardLayout | None = None
 
     @nn.compact
     def __call__(self, x, conv_pool, ssm_pool, k_pages, v_pages, meta):
-        cfg, small_m = self.cfg, self.small_m_impl
-        m, conv_pool, ssm_pool = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, name="mamba")(
+        cfg, small_m, tp = self.cfg, self.small_m_impl, self.tp
+        m, conv_pool, ssm_pool = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, tp, name="mamba")(
             x, conv_pool, ssm_pool, meta
         )
-        a, k_pages, v_pages = Attention(cfg, self.dtype, self.impl, small_m, name="attention")(
+        a, k_pages, v_pages = Attention(cfg, self.dtype, self.impl, small_m, tp, name="attention")(
             x, k_pages, v_pages, meta
         )
         out = (m.astype(jnp.float32) + a.astype(jnp.float32)).astype(self.dtype)
@@ -60,29 +62,30 @@ class Block(nn.Module):
     dtype: Dtype
     impl: str = "auto"
     small_m_impl: str | None = None
+    tp: ShardLayout | None = None
 
     @nn.compact
     def __call__(self, x, cache_entry, meta):
-        cfg, small_m = self.cfg, self.small_m_impl
+        cfg, small_m, tp = self.cfg, self.small_m_impl, self.tp
         h = RMSNorm(cfg.norm_eps, self.dtype, name="norm")(x)
         if self.layer_type == "mamba":
-            out, *cache_entry = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, name="mixer")(
+            out, *cache_entry = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, tp, name="mixer")(
                 h, *cache_entry, meta
             )
         elif self.layer_type == "attention":
-            out, *cache_entry = Attention(cfg, self.dtype, self.impl, small_m, name="mixer")(
+            out, *cache_entry = Attention(cfg, self.dtype, self.impl, small_m, tp, name="mixer")(
                 h, *cache_entry, meta
             )
         elif self.layer_type == "parallel":
-            out, *cache_entry = ParallelMixer(cfg, self.dtype, self.impl, small_m, name="mixer")(
-                h, *cache_entry, meta
-            )
+            out, *cache_entry = ParallelMixer(
+                cfg, self.dtype, self.impl, small_m, tp, name="mixer"
+            )(h, *cache_entry, meta)
         elif self.layer_type == "moe":
-            out = MoE(cfg, self.dtype, small_m, name="mixer")(h)
+            out = MoE(cfg, self.dtype, small_m, tp, name="mixer")(h)
         else:
             out = MLP(
                 cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_activation,
-                self.dtype, small_m, name="mixer",
+                self.dtype, small_m, None if tp is None else tp.axis, name="mixer",
             )(h)  # fmt: skip
         out = out.astype(jnp.float32)
         if cfg.residual_multiplier != 1:
@@ -113,17 +116,23 @@ class Mamba2HybridLM(nn.Module):
     tokens (the decode buckets), e.g. "auto" for the Pallas GPU kernel on CUDA. Longer steps
     and the lm_head keep XLA's dot. Opt-in because on the 9B decode step its gain is within
     the run-to-run spread (`scripts/bench_engine.py --small-m-impls none auto`,
-    docs/benchmarks.md)."""
+    docs/benchmarks.md).
+
+    `tp` (tensor parallelism, `jaxmamba.parallel`): this module is one shard's model, run
+    inside `shard_map` — `cfg` holds the shard's sizes, the vocabulary is split into
+    `tp.vocab_rows` rows per shard, and the layers all-reduce where `tp` says."""
 
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     impl: str = "auto"
     small_m_impl: str | None = None
+    tp: ShardLayout | None = None
 
     def setup(self):
-        cfg = self.cfg
+        cfg, tp = self.cfg, self.tp
+        vocab_rows = cfg.vocab_size if tp is None else tp.vocab_rows
         self.embed = nn.Embed(
-            cfg.vocab_size,
+            vocab_rows,
             cfg.hidden_size,
             dtype=self.dtype,
             param_dtype=self.dtype,
@@ -132,12 +141,12 @@ class Mamba2HybridLM(nn.Module):
             ),
         )
         self.layers = [
-            Block(cfg, layer_type, self.dtype, self.impl, self.small_m_impl)
+            Block(cfg, layer_type, self.dtype, self.impl, self.small_m_impl, tp)
             for layer_type in cfg.layer_types
         ]
         self.norm_f = RMSNorm(cfg.norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.dtype)
+            self.lm_head = LMHead(cfg.hidden_size, vocab_rows, self.dtype)
 
     def __call__(
         self,
@@ -151,7 +160,11 @@ class Mamba2HybridLM(nn.Module):
             meta = meta.with_attention_blocks(
                 cfg.num_attention_heads, cfg.num_key_value_heads, self.impl
             )
-        x = self.embed(input_ids).astype(jnp.float32)
+        if self.tp is None:
+            x = self.embed(input_ids).astype(jnp.float32)
+        else:
+            table = self.embed.embedding.astype(self.dtype)
+            x = embed_lookup(table, input_ids, self.tp).astype(jnp.float32)
         if cfg.embedding_multiplier != 1:
             x = x * cfg.embedding_multiplier
         conv, ssm = list(cache.conv), list(cache.ssm)
@@ -193,4 +206,4 @@ class Mamba2HybridLM(nn.Module):
         )
         if self.cfg.logits_multiplier != 1:
             logits = logits * self.cfg.logits_multiplier
-        return logits
+        return gather_logits(logits, self.tp)

@@ -28,6 +28,7 @@ from jax import lax
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.layers import MLP, Dtype, Linear, activate, matmul_precision
+from jaxmamba.parallel.collectives import ShardLayout, reduce
 
 
 def route_softmax_topk(
@@ -169,9 +170,14 @@ def gathered_experts(x, weights, idx, w_up, w_down, activation: str, dtype) -> j
 
 
 class MoE(nn.Module):
-    cfg: ModelConfig
+    """Under tensor parallelism every shard holds all experts with 1/n of their hidden units
+    (and of the shared expert's), so routing is replicated and the routed sum needs one
+    all-reduce (the shared expert its own)."""
+
+    cfg: ModelConfig  # under tensor parallelism, one shard's (jaxmamba.parallel)
     dtype: Dtype = jnp.float32
     small_m_impl: str | None = None  # see Linear (router and shared expert)
+    tp: ShardLayout | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
@@ -214,10 +220,12 @@ class MoE(nn.Module):
             self.dtype,
         )
         out = grouped_experts(x, weights, idx, w_up, w_down, cfg.mlp_activation, self.dtype)
+        out = reduce(out, self.tp)
         if cfg.moe_shared_intermediate_size:
             shared = MLP(
                 E, cfg.moe_shared_intermediate_size, cfg.mlp_bias, cfg.mlp_activation,
-                self.dtype, self.small_m_impl, name="shared_expert",
+                self.dtype, self.small_m_impl, None if self.tp is None else self.tp.axis,
+                name="shared_expert",
             )(x)  # fmt: skip
             out = out + shared.astype(jnp.float32)
         return out.astype(self.dtype)

@@ -1,0 +1,90 @@
+"""The engine's step over a tensor-parallel mesh: the same `step_fn`, one shard's model,
+inside one `shard_map`.
+
+Every device runs the step on its shard of the parameters and the cache, with the step's
+inputs, the sampler's per-slot state and hence the metadata replicated; the Pallas kernels
+see their shard's heads as a whole model's. The layers all-reduce after each row-parallel
+projection, the logits are gathered, and every device samples the same tokens from the
+same full logits, so the packed output (read from any one device) and the per-slot state
+stay replicated. One dispatch per step for the whole mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxmamba.parallel.plan import TensorParallelPlan
+
+REPLICATED = PartitionSpec()
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """A plan and the mesh it runs on (static: a jit argument)."""
+
+    plan: TensorParallelPlan
+    mesh: Mesh
+
+
+def _shard_mapped(fn, mesh_plan: MeshPlan, spec, dtype, out_cache: bool):
+    from jaxmamba.parallel.sharding import cache_specs, param_specs
+
+    plan = mesh_plan.plan
+    params, cache = param_specs(plan), cache_specs(plan, spec, dtype)
+    in_specs = (params, cache, REPLICATED, REPLICATED)
+    out_specs = (REPLICATED, cache, REPLICATED) if out_cache else (REPLICATED, cache)
+    # check_vma off: the Pallas calls carry no replication annotations; the outputs marked
+    # replicated are, since each is computed from all-reduced or gathered values.
+    return jax.shard_map(fn, mesh=mesh_plan.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)  # fmt: skip
+
+
+def tp_step_fn(params, cache, slot_state, inputs, *, model, spec, num_decode, mesh_plan):
+    """`runner.step_fn` over the mesh (`model` is the shard model)."""
+    from jaxmamba.engine.runner import step_fn
+
+    body = functools.partial(step_fn, model=model, spec=spec, num_decode=num_decode)
+    dtype = model.dtype
+    return _shard_mapped(body, mesh_plan, spec, dtype, out_cache=True)(
+        params, cache, slot_state, inputs
+    )
+
+
+def tp_logits_fn(params, cache, inputs, *, model, spec, num_decode, mesh_plan):
+    from jaxmamba.engine.runner import logits_fn
+
+    def body(params, cache, _unused, inputs):
+        return logits_fn(params, cache, inputs, model=model, spec=spec, num_decode=num_decode)
+
+    return _shard_mapped(body, mesh_plan, spec, model.dtype, out_cache=False)(
+        params, cache, (), inputs
+    )
+
+
+jitted_tp_step = jax.jit(
+    tp_step_fn,
+    static_argnames=("model", "spec", "num_decode", "mesh_plan"),
+    donate_argnames=("cache", "slot_state"),
+)
+jitted_tp_logits = jax.jit(
+    tp_logits_fn,
+    static_argnames=("model", "spec", "num_decode", "mesh_plan"),
+    donate_argnames=("cache",),
+)
+
+
+def mesh_plan(cfg, size: int, mesh: Mesh | None = None) -> MeshPlan:
+    """The plan for `size` shards of `cfg` on `mesh` (default: the first `size` devices)."""
+    from jaxmamba.parallel.sharding import make_mesh
+
+    if mesh is None:
+        mesh = make_mesh(size)
+    elif mesh.devices.size != size and size != 1:
+        raise ValueError(f"tensor_parallel_size={size} but the mesh has {mesh.devices.size} "
+                         "devices")  # fmt: skip
+    axis = mesh.axis_names[0]
+    return MeshPlan(TensorParallelPlan(cfg, int(mesh.devices.size), axis), mesh)
