@@ -59,6 +59,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="state slots (running rows + prefix-cache checkpoints); default: sized",
     )
     p.add_argument("--num-pages", type=_positive_int, help="KV pages; default: sized")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="split the model over this many devices (docs/tensor_parallel.md)",
+    )
 
 
 def _llm(args):
@@ -75,6 +81,7 @@ def _llm(args):
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_state_slots=args.num_state_slots,
         num_pages=args.num_pages,
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
         **cache_kwargs(args),
     )

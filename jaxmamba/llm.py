@@ -88,6 +88,20 @@ def load_params(model: str, cfg: ModelConfig, dtype, seed: int):
     return init_params(cfg, dtype, seed)
 
 
+def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_parallel_size: int):
+    """`load_params`; for a sharded model into host memory first (the runner splits it onto
+    the mesh), so the whole model never has to fit one device."""
+    if tensor_parallel_size == 1:
+        return load_params(model, cfg, dtype, seed)
+    import jax
+
+    from jaxmamba.parallel.plan import TensorParallelPlan
+
+    TensorParallelPlan(cfg, tensor_parallel_size)  # refuse an impossible split before loading
+    with jax.default_device(jax.devices("cpu")[0]):
+        return load_params(model, cfg, dtype, seed)
+
+
 class LLM:
     def __init__(
         self,
@@ -105,6 +119,7 @@ class LLM:
         num_pages: int | None = None,
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
+        tensor_parallel_size: int = 1,
         precompile: bool = False,
         seed: int = 0,
         impl: str = "auto",
@@ -118,6 +133,11 @@ class LLM:
         from jaxmamba.export.artifact import is_artifact
 
         if is_artifact(model):  # a `jaxmamba export` directory: runs without the model code
+            if tensor_parallel_size != 1:
+                raise ValueError(
+                    f"tensor_parallel_size={tensor_parallel_size}: exported artifacts hold "
+                    f"one-device steps; serve the model itself (not {model}) to run it sharded"
+                )
             from jaxmamba.export.serving import init_llm_from_artifact
 
             engine = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -149,9 +169,11 @@ class LLM:
             num_pages=num_pages,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            tensor_parallel_size=tensor_parallel_size,
         ).for_chunk_size(self.model_cfg.chunk_size)
         if params is None:
-            params = load_params(model, self.model_cfg, self.dtype, seed)
+            params = _load_params_for(model, self.model_cfg, self.dtype, seed,
+                                      tensor_parallel_size)  # fmt: skip
         self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, impl)
         self.engine_cfg = dataclasses.replace(
             self.engine_cfg,
@@ -163,7 +185,10 @@ class LLM:
             num_pages=self.engine_cfg.pages,
             page_size=page_size,
         )
-        self.runner = ModelRunner(self.model_cfg, params, spec, dtype=self.dtype, impl=impl)
+        self.runner = ModelRunner(
+            self.model_cfg, params, spec, dtype=self.dtype, impl=impl,
+            tensor_parallel_size=tensor_parallel_size,
+        )  # fmt: skip
         self.engine = LLMEngine(
             self.model_cfg, self.runner, self.engine_cfg, tokenizer=self.tokenizer, seed=seed
         )
@@ -283,8 +308,14 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
     from jaxmamba.engine import memory
 
     itemsize = jnp.dtype(dtype).itemsize
-    per_slot = memory.slot_bytes(model_cfg, itemsize)
-    per_page = memory.page_bytes(model_cfg, cfg.page_size, itemsize)
+    tp = cfg.tensor_parallel_size
+    shard_cfg = model_cfg  # a device's share of every slot and page
+    if tp > 1:
+        from jaxmamba.parallel.plan import TensorParallelPlan
+
+        shard_cfg = TensorParallelPlan(model_cfg, tp).shard_config()
+    per_slot = memory.slot_bytes(shard_cfg, itemsize)
+    per_page = memory.page_bytes(shard_cfg, cfg.page_size, itemsize)
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     plan = functools.partial(
         memory.plan_cache,
@@ -300,7 +331,11 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
     )
     u = cfg.gpu_memory_utilization
     device = jax.tree.leaves(params)[0].devices().pop() if weights else jax.devices()[0]
+    if tp > 1:  # the weights wait in host memory; each device will hold about 1/tp of them
+        device = jax.devices()[0]
     mem = memory.device_memory(device)
+    if tp > 1 and mem is not None and mem.source != "MemAvailable":
+        mem = dataclasses.replace(mem, in_use=mem.in_use + weights // tp)
     temps = 0
     if cfg.kv_cache_memory_bytes is not None:
         how = f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}"
@@ -375,8 +410,9 @@ def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params,
 
     def temporaries(b):
         return step_temporary_bytes(
-            model_cfg, params, spec, builder.padding(b), b.num_decode, dtype=dtype, impl=impl
-        )
+            model_cfg, params, spec, builder.padding(b), b.num_decode, dtype=dtype, impl=impl,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+        )  # fmt: skip
 
     with ThreadPoolExecutor(len(largest)) as pool:
         return max(pool.map(temporaries, largest))

@@ -27,11 +27,15 @@ class EngineConfig:
     num_pages: int | None = None
     gpu_memory_utilization: float = 0.9  # of the device's memory for weights, steps and cache
     kv_cache_memory_bytes: int | None = None  # the cache's size in bytes, instead of the above
+    # Devices the model is split over (jaxmamba.parallel, docs/tensor_parallel.md); the cache
+    # sizes above are then per shard's share of every slot and page.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
                      "max_prefill_seqs", "page_size", "track_interval",
-                     "num_state_slots", "num_pages", "kv_cache_memory_bytes"):  # fmt: skip
+                     "num_state_slots", "num_pages", "kv_cache_memory_bytes",
+                     "tensor_parallel_size"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name in ("track_interval", "num_state_slots", "num_pages",
                                           "kv_cache_memory_bytes"):  # fmt: skip

@@ -297,11 +297,21 @@ def step_temporary_bytes(
     dtype=jnp.float32,
     impl: str = "auto",
     small_m_impl: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """Device bytes one step of this bucket needs beyond its arguments: XLA's memory analysis
     of the compiled step (temporaries, and outputs that do not alias a donated input). Only
-    shapes are used: nothing is allocated or run."""
+    shapes are used: nothing is allocated or run. Sharded (`tensor_parallel_size > 1`): one
+    device's."""
     from jaxmamba.model.model import Mamba2HybridLM
+
+    if tensor_parallel_size > 1:
+        from jaxmamba.parallel.step import step_memory
+
+        analysis = step_memory(cfg, tensor_parallel_size, params, spec, inputs, num_decode,
+                               dtype=dtype, impl=impl, small_m_impl=small_m_impl)  # fmt: skip
+        unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+        return int(analysis.temp_size_in_bytes + max(unaliased, 0))
 
     dtype = jnp.dtype(dtype)
     model = Mamba2HybridLM(cfg, dtype, impl, small_m_impl)

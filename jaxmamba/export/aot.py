@@ -128,6 +128,9 @@ def aot_compile(
             "scripts/setup_tpu_venv.sh prints"
         ) from e
     device = topo.devices[0]
+    tp = int((engine or {}).get("tensor_parallel_size", 1))
+    if tp > len(topo.devices):
+        raise ValueError(f"tensor_parallel_size={tp}: {topology} has {len(topo.devices)} chips")
     chip = chip_of(device.device_kind, topology)
     hbm, peak_flops, peak_bw = CHIPS[chip]
     sharding = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
@@ -150,8 +153,25 @@ def aot_compile(
     params_tree = param_shapes(cfg, jdtype)
     weights, cache = _nbytes(params_tree), _nbytes(cache_shapes(cfg, spec, jdtype))
     net = Mamba2HybridLM(cfg, jdtype, impl)
+    lower_sharded = None
+    if tp > 1:  # one program for the tp chips; every figure below is one chip's
+        from jaxmamba.parallel import sharding as tp_sharding
+        from jaxmamba.parallel import step as tp_step
+
+        mesh_plan = tp_step.mesh_plan(cfg, tp, Mesh(np.array(topo.devices[:tp]), ("tp",)))
+        per_chip = lambda tree: sum(  # noqa: E731
+            int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(tree)
+        )
+        mesh = mesh_plan.mesh
+        weights = per_chip(tp_sharding.sharded_param_shapes(mesh_plan.plan, params_tree, mesh))
+        cache = per_chip(tp_sharding.sharded_cache_shapes(mesh_plan.plan, spec, jdtype, mesh))
+        lower_sharded = functools.partial(tp_step.lower_step, mesh_plan, params_tree, spec,
+                                          dtype=jdtype, impl=impl)  # fmt: skip
+        say(mesh_plan.plan.describe())
+    where = f"one {device.device_kind}" if tp == 1 else f"{tp} x {device.device_kind} (TP {tp})"
     say(
-        f"{cfg.name or model} ({jnp_name(jdtype)}) on one {device.device_kind} of {topology} "
+        f"{cfg.name or model} ({jnp_name(jdtype)}) on {where} of {topology} "
         f"({chip}: {hbm / 2**30:.2f} GiB HBM, {peak_flops / 1e12:.0f} TFLOP/s, "
         f"{peak_bw / 1e9:.0f} GB/s); {len(all_buckets)} buckets; cache {spec}"
     )
@@ -161,16 +181,19 @@ def aot_compile(
     reports = []
     for bucket in all_buckets:
         bucket = Bucket(*dataclasses.astuple(bucket))
-        flat, trees = step_specs(cfg, spec, jdtype, params_tree, builder, bucket)
-        flat = [[jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in group]
-                for group in flat]  # fmt: skip
-        fn = jax.jit(
-            functools.partial(_flat_step, trees=trees, model=net, spec=spec,
-                              num_decode=bucket.num_decode),
-            donate_argnums=(1, 2),
-        )  # fmt: skip
         start = time.perf_counter()
-        lowered = fn.lower(*flat)
+        if lower_sharded is not None:
+            lowered = lower_sharded(builder.padding(bucket), bucket.num_decode)
+        else:
+            flat, trees = step_specs(cfg, spec, jdtype, params_tree, builder, bucket)
+            flat = [[jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in group]
+                    for group in flat]  # fmt: skip
+            fn = jax.jit(
+                functools.partial(_flat_step, trees=trees, model=net, spec=spec,
+                                  num_decode=bucket.num_decode),
+                donate_argnums=(1, 2),
+            )  # fmt: skip
+            lowered = fn.lower(*flat)
         kernels = tuple(sorted(set(re.findall(r'kernel_name = "([^"]+)"', lowered.as_text()))))
         try:
             compiled = lowered.compile()
@@ -209,7 +232,7 @@ def aot_compile(
             name = "x".join(map(str, report.bucket)) + ".tpu-executable"
             (out_dir / name).write_bytes(pickle.dumps((payload, in_tree, out_tree)))
     fit = sum(r.fits for r in reports)
-    say(f"{fit}/{len(reports)} programs fit one {chip} chip's HBM")
+    say(f"{fit}/{len(reports)} programs fit {'one' if tp == 1 else 'each'} {chip} chip's HBM")
     return reports
 
 

@@ -115,27 +115,46 @@ def param_specs(plan: TensorParallelPlan):
     return jax.tree.map(lambda spec: _spec(spec, plan)[1], logical, is_leaf=is_spec)
 
 
-def shard_params(plan: TensorParallelPlan, params, mesh: Mesh):
-    """The model's parameters (whole, as loaded) → arrays sharded over `mesh`, each
-    rearranged for its shards. Goes through host memory one array at a time."""
-    logical = _logical_axes(plan.cfg)
-
-    def one(path, a, spec):
-        axis, pspec = _spec(spec, plan)
-        host = np.asarray(jax.device_get(a))
-        if axis is not None:
-            leaf = str(getattr(path[-1], "key", path[-1]))
-            name = tuple(spec)[axis]
-            host = rearrange(plan, name, leaf, host, axis)
-        return jax.device_put(host, NamedSharding(mesh, pspec))
-
+def _map_params(plan: TensorParallelPlan, params, fn):
+    """`fn(leaf_name, array, axis, logical_name, pspec)` over every parameter."""
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    flat_logical = jax.tree.leaves(logical, is_leaf=is_spec)
+    flat_logical = jax.tree.leaves(_logical_axes(plan.cfg), is_leaf=is_spec)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if len(flat) != len(flat_logical):
         raise ValueError(f"{len(flat)} parameters, the model declares {len(flat_logical)}")
-    out = [one(path, a, s) for (path, a), s in zip(flat, flat_logical, strict=True)]
+    out = []
+    for (path, a), logical in zip(flat, flat_logical, strict=True):
+        axis, pspec = _spec(logical, plan)
+        name = None if axis is None else tuple(logical)[axis]
+        out.append(fn(str(getattr(path[-1], "key", path[-1])), a, axis, name, pspec))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard_params(plan: TensorParallelPlan, params, mesh: Mesh):
+    """The model's parameters (whole, as loaded) → arrays sharded over `mesh`, each
+    rearranged for its shards. Goes through host memory one array at a time."""
+
+    def one(leaf, a, axis, name, pspec):
+        host = np.asarray(jax.device_get(a))
+        if axis is not None:
+            host = rearrange(plan, name, leaf, host, axis)
+        return jax.device_put(host, NamedSharding(mesh, pspec))
+
+    return _map_params(plan, params, one)
+
+
+def sharded_param_shapes(plan: TensorParallelPlan, params, mesh: Mesh):
+    """`shard_params`' result as `ShapeDtypeStruct`s, from the parameters' shapes only."""
+
+    def one(leaf, a, axis, name, pspec):
+        shape = tuple(a.shape)
+        if axis is not None:  # rearrange a 1-wide proxy to learn the grown axis
+            proxy = np.zeros([shape[axis] if d == axis else 1 for d in range(len(shape))], np.int8)
+            grown = rearrange(plan, name, leaf, proxy, axis).shape[axis]
+            shape = shape[:axis] + (grown,) + shape[axis + 1 :]
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(mesh, pspec))
+
+    return _map_params(plan, params, one)
 
 
 def cache_specs(plan: TensorParallelPlan, spec: CacheSpec, dtype) -> StateCache:

@@ -88,3 +88,48 @@ def mesh_plan(cfg, size: int, mesh: Mesh | None = None) -> MeshPlan:
                          "devices")  # fmt: skip
     axis = mesh.axis_names[0]
     return MeshPlan(TensorParallelPlan(cfg, int(mesh.devices.size), axis), mesh)
+
+
+def lower_step(mesh_plan: MeshPlan, param_shapes, spec, inputs, num_decode: int, *, dtype,
+               impl: str = "auto", small_m_impl: str | None = None):  # fmt: skip
+    """Lower the sharded step from shapes only (`param_shapes`: the whole model's, as
+    `param_shapes` gives them; `inputs`: a `StepInputs` of arrays or shapes) — for memory
+    sizing and deviceless compiles over a TPU topology's devices."""
+    import jax.numpy as jnp
+
+    from jaxmamba.engine.runner import SlotState
+    from jaxmamba.model.model import Mamba2HybridLM
+    from jaxmamba.model.sampling import init_penalty_state
+    from jaxmamba.parallel.sharding import (
+        replicated,
+        sharded_cache_shapes,
+        sharded_param_shapes,
+    )
+
+    plan, mesh = mesh_plan.plan, mesh_plan.mesh
+    dtype = jnp.dtype(dtype)
+    model = Mamba2HybridLM(plan.shard_config(), dtype, impl, small_m_impl, plan.layout())
+    rep = replicated(mesh)
+    on_mesh = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep)  # noqa: E731
+    slot_state = jax.eval_shape(
+        lambda: SlotState(
+            jnp.zeros(spec.num_slots + 1, jnp.int32),
+            init_penalty_state(spec.num_slots, plan.cfg.vocab_size),
+        )
+    )
+    args = (
+        sharded_param_shapes(plan, param_shapes, mesh),
+        sharded_cache_shapes(plan, spec, dtype, mesh),
+        jax.tree.map(on_mesh, slot_state),
+        jax.tree.map(on_mesh, inputs),
+    )
+    return jitted_tp_step.lower(*args, model=model, spec=spec, num_decode=num_decode,
+                                mesh_plan=mesh_plan)  # fmt: skip
+
+
+def step_memory(cfg, size: int, params, spec, inputs, num_decode: int, *, dtype,
+                impl: str = "auto", small_m_impl: str | None = None):  # fmt: skip
+    """XLA's memory analysis (one device's) of the sharded step of this bucket."""
+    lowered = lower_step(mesh_plan(cfg, size), params, spec, inputs, num_decode, dtype=dtype,
+                         impl=impl, small_m_impl=small_m_impl)  # fmt: skip
+    return lowered.compile().memory_analysis()
