@@ -189,6 +189,10 @@ class LLM:
             self.model_cfg, params, spec, dtype=self.dtype, impl=impl,
             tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
+        if tensor_parallel_size > 1:  # several processes: process 0 sends every step
+            from jaxmamba.parallel.multihost import leader
+
+            self.runner = leader(self.runner)
         self.engine = LLMEngine(
             self.model_cfg, self.runner, self.engine_cfg, tokenizer=self.tokenizer, seed=seed
         )
@@ -332,7 +336,7 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
     u = cfg.gpu_memory_utilization
     device = jax.tree.leaves(params)[0].devices().pop() if weights else jax.devices()[0]
     if tp > 1:  # the weights wait in host memory; each device will hold about 1/tp of them
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]
     mem = memory.device_memory(device)
     if tp > 1 and mem is not None and mem.source != "MemAvailable":
         mem = dataclasses.replace(mem, in_use=mem.in_use + weights // tp)

@@ -138,7 +138,11 @@ def shard_params(plan: TensorParallelPlan, params, mesh: Mesh):
         host = np.asarray(jax.device_get(a))
         if axis is not None:
             host = rearrange(plan, name, leaf, host, axis)
-        return jax.device_put(host, NamedSharding(mesh, pspec))
+        # Each process places only its own devices' blocks (several hosts: every process
+        # holds the whole array in host memory, as it loaded it).
+        return jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, pspec), lambda index: host[index]
+        )
 
     return _map_params(plan, params, one)
 
