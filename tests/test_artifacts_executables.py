@@ -79,6 +79,10 @@ def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
     # What a runner compiled is stored back by add_executables (a step it read from the
     # persistent cache is compiled afresh there); the copy then starts without compiling.
     fallback.engine.precompile(show_progress=False)
+    compiled = fallback.runner.num_compiles
+    tokens, compiles = _compiles_while(lambda: _tokens(fallback))
+    assert tokens == expected and compiles == 0
+    assert fallback.runner.num_compiles == compiled == 3, "a step compiled after precompile"
     stored = LLM(str(add_executables(other, tmp_path / "stored", fallback.runner)),
                  compilation_cache=False, params=params)  # fmt: skip
     assert stored.runner.loaded_executables == 3

@@ -34,7 +34,10 @@ jax.monitoring.register_event_listener(_note_cache_hit)
 
 
 def _zeros(avals: list[dict]) -> list[jax.Array]:
-    return [jnp.zeros(tuple(a["shape"]), a["dtype"]) for a in avals]
+    # Committed to the device, as the step's outputs that replace them are: an uncommitted
+    # first cache would give the first step's bucket a second compile once its outputs return.
+    device = jax.devices()[0]
+    return [jax.device_put(jnp.zeros(tuple(a["shape"]), a["dtype"]), device) for a in avals]
 
 
 def _aval(x) -> dict:
@@ -133,7 +136,7 @@ class ArtifactRunner:
                 f"{self.artifact.where}: the weights' leaves {found} do not match the exported "
                 f"step's parameters {expected_leaves}"
             )
-        return [jnp.asarray(x) for x in leaves]
+        return [jax.device_put(x, jax.devices()[0]) for x in leaves]
 
     # -- steps --------------------------------------------------------------------------------
     @property
