@@ -12,14 +12,16 @@ Client (any server; streaming; prompts as token ids for /v1/completions, text fo
                        --max-concurrency); --dataset shared-prefix --prefix-len P
                        --num-prefix-groups G: each prompt = its group's prefix + a random suffix.
 
-Side by side (one process holds the model: the server runs in it on uvicorn, the client runs
-as a subprocess per concurrency level; per level, the same requests first go through the
-engine offline untimed (so both timed runs find their step shapes compiled), then through the
-server untimed and timed, then offline again (timed), at the same concurrency):
+Side by side (one process holds the model on random weights: the server runs in it on
+uvicorn, the client runs as a subprocess per concurrency level). Every bucket is compiled
+first, so neither timed run compiles (the engine's compile counter, read from /metrics before
+and after each run, says so); per level the requests go through the server, then the same
+requests through the engine's add_request/step loop offline, at the same concurrency:
 
     python scripts/bench_serving.py --serve-model nemotron-nano-9b-v2 --dtype bfloat16 \
         --concurrency 64 16 1 256 --num-prompts-per-level 128 32 4 256 ...
 
+`--serve-model` also takes an exported artifact (`jaxmamba export --no-weights`).
 Reports request and token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, median,
 p99), and with --result-json writes every figure.
 """
@@ -252,13 +254,15 @@ def print_summary(s: dict, title: str) -> None:
 # -- the side-by-side driver ----------------------------------------------------------------------
 def offline_run(engine, requests: list[BenchRequest], concurrency: int, temperature: float):
     """The same requests straight through the engine's add_request/step loop (LLM.generate's
-    loop), at most `concurrency` in flight."""
+    loop), at most `concurrency` in flight. Also returns the seconds spent inside
+    `engine.step`."""
     from jaxmamba import SamplingParams
 
     pending = list(enumerate(requests))[::-1]
     live: dict[str, dict] = {}
     results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
     start = time.perf_counter()
+    step_s = 0.0
 
     def admit():
         while pending and len(live) < concurrency:
@@ -270,7 +274,10 @@ def offline_run(engine, requests: list[BenchRequest], concurrency: int, temperat
 
     admit()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        t = time.perf_counter()
+        outputs = engine.step()
+        step_s += time.perf_counter() - t
+        for out in outputs:
             st = live.get(out.request_id)
             if st is None:
                 continue
@@ -288,7 +295,7 @@ def offline_run(engine, requests: list[BenchRequest], concurrency: int, temperat
                 res.e2e, res.ok = now - st["t0"], True
                 del live[out.request_id]
         admit()
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, step_s
 
 
 def _free_port() -> int:
@@ -299,25 +306,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _build_llm(args, max_len: int):
+    """The served LLM on random weights (`bench_cold_start.random_params`), from a model or
+    an exported artifact; the live engine's cache sizes are given, so its memory probes
+    compile steps that precompile reuses."""
+    from bench_cold_start import random_params
+
+    from jaxmamba import LLM
+    from jaxmamba.engine.config import EngineConfig
+    from jaxmamba.export.artifact import is_artifact, read_artifact
+
+    cache = {"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir \
+        else {}  # fmt: skip
+    if is_artifact(args.serve_model):
+        source = read_artifact(args.serve_model).manifest["source"]
+        return LLM(args.serve_model, params=random_params(source, args.dtype), **cache)
+    seqs = max(args.concurrency)
+    pages = EngineConfig(max_model_len=max_len).max_pages_per_seq
+    return LLM(args.serve_model, dtype=args.dtype, max_num_seqs=seqs, max_model_len=max_len,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               enable_prefix_caching=args.dataset == "shared-prefix",
+               params=random_params(args.serve_model, args.dtype),
+               **({} if args.dataset == "shared-prefix" else
+                  {"num_state_slots": seqs, "num_pages": seqs * pages}), **cache)  # fmt: skip
+
+
 def side_by_side(args) -> int:
     import threading
 
+    import jax
     import uvicorn
 
-    from jaxmamba import LLM
     from jaxmamba.serve.api_server import OpenAIServer, ServerConfig
 
+    cache_events = {"hits": 0, "misses": 0}
+    jax.monitoring.register_event_listener(
+        lambda name, **kw: cache_events.__setitem__(k, cache_events[k] + 1)
+        if (k := name.rsplit("cache_", 1)[-1]) in cache_events and "compilation_cache" in name
+        else None
+    )  # fmt: skip
     budget_end = time.monotonic() + args.budget_s
     levels = list(zip(args.concurrency, args.num_prompts_per_level, strict=True))
     max_len = int(args.random_input_len * (1 + args.random_range_ratio)) + args.prefix_len
     max_len += int(args.random_output_len * (1 + args.output_range_ratio)) + 16
     t0 = time.perf_counter()
-    llm = LLM(args.serve_model, dtype=args.dtype, max_num_seqs=max(args.concurrency),
-              max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.dataset == "shared-prefix",
-              **({"compilation_cache_dir": args.compilation_cache_dir}
-                 if args.compilation_cache_dir else {}))  # fmt: skip
-    print(f"LLM built in {time.perf_counter() - t0:.1f} s (max_model_len {max_len})", flush=True)
+    llm = _build_llm(args, max_len)
+    t_build = time.perf_counter() - t0
+    startup = {"build_s": t_build}
+    if args.precompile:
+        t = time.perf_counter()
+        startup["buckets"] = llm.engine.precompile(show_progress=False)
+        startup["precompile_s"] = time.perf_counter() - t
+    startup.update(cache_events, compilations=llm.runner.num_compiles)
+    print(f"start-up: {json.dumps(startup)} (max_model_len {llm.engine_cfg.max_model_len})",
+          flush=True)  # fmt: skip
     args.vocab_size = min(args.vocab_size, llm.model_cfg.vocab_size)
     server = OpenAIServer(llm, ServerConfig(served_model_names=(args.model,),
                                             max_queued_requests=4096))  # fmt: skip
@@ -328,7 +370,8 @@ def side_by_side(args) -> int:
     thread.start()
     while not uv.started:
         time.sleep(0.05)
-    base = [sys.executable, os.path.abspath(__file__), "--base-url", f"http://127.0.0.1:{port}",
+    url = f"http://127.0.0.1:{port}"
+    base = [sys.executable, os.path.abspath(__file__), "--base-url", url,
             "--model", args.model, "--dataset", args.dataset, "--random-input-len",
             str(args.random_input_len), "--random-output-len", str(args.random_output_len),
             "--random-range-ratio", str(args.random_range_ratio), "--output-range-ratio",
@@ -337,35 +380,57 @@ def side_by_side(args) -> int:
             str(args.num_prefix_groups), "--temperature", str(args.temperature),
             "--ignore-eos", "--no-progress"]  # fmt: skip
     out_dir = args.out_dir or "."
+    os.makedirs(out_dir, exist_ok=True)
     rows = []
 
-    def compiles():
-        return server.loop.snapshot.get("compilations", 0)
+    def gauges() -> dict[str, float]:
+        """The engine's gauges as a client sees them, from the server's /metrics."""
+        import urllib.request
 
-    def client(c, n, seed, tag, extra=()):
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("jaxmamba_engine_"):
+                name, value = line.rsplit(" ", 1)
+                out[name[len("jaxmamba_engine_") :]] = float(value)
+        return out
+
+    def client(c, n, seed, tag):
         path = os.path.join(out_dir, f"serve_c{c}_{tag}.json")
         cmd = base + ["--max-concurrency", str(c), "--num-prompts", str(n), "--seed", str(seed),
-                      "--result-json", path, *extra]  # fmt: skip
+                      "--result-json", path]  # fmt: skip
+        before = gauges()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        after = gauges()
         with open(path) as f:
-            return json.load(f)
+            s = json.load(f)
+        s["compiles_before"], s["compiles_after"] = before["compilations"], after["compilations"]
+        s["compiles_in_timed"] = after["compilations"] - before["compilations"]
+        s["engine_step_s"] = after["loop_step_seconds"] - before["loop_step_seconds"]
+        return s
 
     def offline(c, n, seed):
         reqs = sample_requests(argparse.Namespace(**{**vars(args), "num_prompts": n,
                                                      "seed": seed}))  # fmt: skip
         # On the engine's own thread (the server is idle): only that thread touches it.
-        return server.loop.call_blocking(lambda engine: (
+        c0, results, duration, step_s, c1 = server.loop.call_blocking(lambda engine: (
             engine.runner.num_compiles, *offline_run(engine, reqs, c, args.temperature),
             engine.runner.num_compiles))  # fmt: skip
+        s = summarize(results, duration)
+        s["compiles_before"], s["compiles_after"], s["compiles_in_timed"] = c0, c1, c1 - c0
+        s["engine_step_s"] = step_s
+        return s
 
     def report():
         with open(os.path.join(out_dir, "side_by_side.json"), "w") as f:
-            json.dump([{"mode": m, "concurrency": c, **s} for m, c, s in rows], f, indent=1)
+            table = [{"mode": m, "concurrency": c, **s} for m, c, s in rows]
+            json.dump({"startup": startup, "rows": table}, f, indent=1)
         print(
             "\n| concurrency | requests | mode | output tok/s | TTFT p50 / p99 (ms) | "
-            "ITL p50 / p99 (ms) | compiles in timed run |"
+            "ITL p50 / p99 (ms) | engine.step busy | compiles before → after |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         by = {(m, c): s for m, c, s in rows}
         for c, n in done:
             for m in ("server", "offline"):
@@ -379,7 +444,9 @@ def side_by_side(args) -> int:
                 print(
                     f"| {c} | {n} | {m} | {s['output_throughput']:.0f}{ratio} | "
                     f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
-                    f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | {s['compiles_in_timed']} |"
+                    f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | "
+                    f"{s['engine_step_s'] / s['duration_s']:.0%} | "
+                    f"{s['compiles_before']:.0f} → {s['compiles_after']:.0f} |"
                 )
 
     done = []
@@ -387,38 +454,17 @@ def side_by_side(args) -> int:
         if time.monotonic() > budget_end:
             print(f"budget spent: skipping concurrency {c}", flush=True)
             continue
-        # Warm-up: the same requests offline compile the level's step shapes, so neither
-        # timed run below pays for compilation (each reports what it still compiled).
-        t = time.perf_counter()
-        c0, _, _, c1 = offline(c, n, args.seed + c)
-        print(
-            f"concurrency {c}: warm-up {time.perf_counter() - t:.0f} s, {c1 - c0} compiles",
-            flush=True,
-        )
-        if args.server_warmup:
-            # The server's arrivals are staggered, so its prefill/decode mixes differ a little
-            # from offline ones: one untimed pass through it compiles those too.
-            t, c1 = time.perf_counter(), compiles()
+        if args.warmup_passes:
+            # Without precompile: the level's requests, offline and through the server,
+            # untimed, compile the step shapes the timed runs meet (the server's staggered
+            # arrivals make prefill/decode mixes the offline pass does not).
+            offline(c, n, args.seed + c)
             client(c, n, args.seed + 2000 + c, "warmup")
-            print(f"concurrency {c}: server warm-up {time.perf_counter() - t:.0f} s, "
-                  f"{compiles() - c1} compiles", flush=True)  # fmt: skip
-        # A timed run that still compiled is run once more (the rerun is reported).
-        for attempt in range(2):
-            c1 = compiles()
-            s = client(c, n, args.seed + c, f"timed{attempt}")
-            s["compiles_in_timed"] = compiles() - c1
-            s["attempt"] = attempt
-            print_summary(s, f"server, concurrency {c}, attempt {attempt}")
-            if not s["compiles_in_timed"] or time.monotonic() > budget_end:
-                break
+        s = client(c, n, args.seed + c, "timed")
+        print_summary(s, f"server, concurrency {c}")
         rows.append(("server", c, s))
-        for attempt in range(2):
-            c0, results, duration, c1 = offline(c, n, args.seed + c)
-            s = summarize(results, duration)
-            s["compiles_in_timed"], s["attempt"] = c1 - c0, attempt
-            print_summary(s, f"offline engine, concurrency {c}, attempt {attempt}")
-            if not s["compiles_in_timed"] or time.monotonic() > budget_end:
-                break
+        s = offline(c, n, args.seed + c)
+        print_summary(s, f"offline engine, concurrency {c}")
         rows.append(("offline", c, s))
         done.append((c, n))
         report()
@@ -454,17 +500,22 @@ def parse_args(argv=None):
     p.add_argument("--result-json")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("side by side (--serve-model)")
-    g.add_argument("--serve-model", help="serve this model in-process and compare with offline")
+    g.add_argument("--serve-model", help="serve this model or artifact in-process, beside offline")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--concurrency", type=int, nargs="+", default=[64, 16, 1, 256])
     g.add_argument("--num-prompts-per-level", type=int, nargs="+", default=[128, 32, 4, 256])
     g.add_argument("--budget-s", type=float, default=420, help="no new level after this")
     g.add_argument(
-        "--no-server-warmup",
-        dest="server_warmup",
+        "--no-precompile",
+        dest="precompile",
         action="store_false",
-        help="skip the untimed pass through the server after the offline one",
+        help="compile lazily (then use --warmup-passes)",
+    )
+    g.add_argument(
+        "--warmup-passes",
+        action="store_true",
+        help="before each level's timed runs, its requests offline and through the server",
     )
     g.add_argument("--compilation-cache-dir", help="JAX's persistent cache (default: LLM's)")
     g.add_argument("--out-dir")

@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,7 @@ class EngineLoop:
         self._on_step = on_step
         self.snapshot: dict[str, float] = {}  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None  # set if the thread itself died
+        self._step_seconds = 0.0  # wall time inside engine.step (the rest: waiting, routing)
         self._thread = threading.Thread(target=self._run, name="jaxmamba-engine", daemon=True)
 
     # -- called from any thread ---------------------------------------------------------------
@@ -137,6 +139,7 @@ class EngineLoop:
                     self._deliver(out)
                     return
                 if engine.has_unfinished_requests():
+                    started = time.perf_counter()
                     try:
                         outputs = engine.step()
                     except Exception as err:  # the step rolled back; drop what was running
@@ -144,6 +147,7 @@ class EngineLoop:
                         if not self._fail_all(err, out):
                             raise  # the engine cannot even be reset: this loop ends
                         outputs = []
+                    self._step_seconds += time.perf_counter() - started
                     for output in outputs:
                         self._route(output, out)
                     self._snapshot()
@@ -225,6 +229,7 @@ class EngineLoop:
         snap = dict(engine.counters())
         snap["num_requests_running"] = len(engine.scheduler.running)
         snap["num_requests_waiting"] = len(engine.scheduler.waiting)
+        snap["loop_step_seconds"] = self._step_seconds
         self.snapshot = snap
         if self._on_step is not None:
             self._on_step(snap)
