@@ -33,6 +33,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -471,6 +472,16 @@ def side_by_side(args) -> int:
         sys.stdout.flush()
     uv.should_exit = True
     thread.join(60)
+    if args.save_executables:
+        from jaxmamba.export.writer import add_executables
+
+        t = time.perf_counter()
+        shutil.rmtree(args.save_executables, ignore_errors=True)
+        add_executables(args.serve_model, args.save_executables, llm.runner)
+        fresh = sum(f for _, f in llm.runner.compiled.values())
+        print(f"stored {len(llm.runner.compiled)} executables ({fresh} compiled afresh here) "
+              f"in {args.save_executables} in {time.perf_counter() - t:.1f} s",
+              flush=True)  # fmt: skip
     return 0
 
 
@@ -519,6 +530,8 @@ def parse_args(argv=None):
     )
     g.add_argument("--compilation-cache-dir", help="JAX's persistent cache (default: LLM's)")
     g.add_argument("--out-dir")
+    g.add_argument("--save-executables", metavar="DIR",
+                   help="(artifact) afterwards, a copy storing what it compiled")  # fmt: skip
     return p.parse_args(argv)
 
 
