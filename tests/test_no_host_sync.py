@@ -56,6 +56,34 @@ def test_step_jaxpr_has_no_host_callbacks(runner, bucket):
     assert not [n for n in names if any(f in n for f in FORBIDDEN)], names
 
 
+def step_primitives(runner, bucket):
+    rng = np.random.default_rng(2)
+    vocab = runner.cfg.vocab_size
+    rows = [row([int(rng.integers(vocab))], 5, slot=i) for i in range(bucket.num_decode)]
+    rows += prefill_rows(rng, [9, 3], vocab, first_slot=bucket.num_decode)[
+        : bucket.num_rows - bucket.num_decode
+    ]
+    inputs = builder(runner).build(rows, bucket)
+    step = functools.partial(runner._step_fn, num_decode=bucket.num_decode)
+    return primitive_names(jax.make_jaxpr(step)(runner.params, runner.cache, runner.slot_state,
+                                                inputs).jaxpr)  # fmt: skip
+
+
+# No device branches: on the H200 a decode step with two `lax.cond`s in its sampler ran ~5 ms
+# slower at every batch size (issue 17, docs/benchmarks.md), as if the host waited for each
+# predicate before launching the rest of the step and the next one.
+def test_decode_step_has_no_device_branch(runner):
+    assert not {"cond", "switch"} & step_primitives(runner, Bucket(4, 4, 4))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runner.score_prompt_tokens puts prompt_logprobs under lax.cond in every prefill step",
+)
+def test_prefill_step_has_no_device_branch(runner):
+    assert "cond" not in step_primitives(runner, Bucket(32, 4, 2))
+
+
 def test_steps_run_under_transfer_guard_without_recompiling(runner):
     bld = builder(runner)
     rng = np.random.default_rng(1)

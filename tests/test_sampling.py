@@ -1,6 +1,6 @@
 """The sampler's top-k / top-p cut-off and its draws against a float64 sort in numpy and HF's
-warpers; the bounded paths (the two-stage top-k, the prefiltered cut-off, the all-greedy
-step) against the full sort."""
+warpers (edge cases: ties, k >= V, top-p with top-k, min-p); the two-stage top-k of the top
+logprobs against one `lax.top_k`."""
 
 from __future__ import annotations
 
@@ -17,13 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from jaxmamba.model import sampling
-from jaxmamba.model.sampling import (
-    MAX_LOGPROBS,
-    filter_cutoff,
-    sample,
-    sampling_cutoff,
-    top_k_blocked,
-)
+from jaxmamba.model.sampling import MAX_LOGPROBS, filter_cutoff, sample, top_k_blocked
 from jaxmamba.sampling_params import NOT_IMPLEMENTED, SamplingParams
 
 
@@ -212,11 +206,11 @@ def test_two_stage_top_k_gives_lax_top_k_ids_with_ties(vocab, block, k):
 
 def edge_rows(rng, vocab: int):
     """Rows covering the filter's edge cases: ties at the cut, top-k >= V, top-p with and
-    without top-k, min-p, no filter; top-k both inside and beyond a prefilter of 16."""
+    without top-k, min-p, no filter."""
     cases = [  # (top_k, top_p, min_p)
         (0, 1.0, 0.0), (1, 1.0, 0.0), (5, 1.0, 0.0), (16, 1.0, 0.0), (17, 1.0, 0.0),
         (vocab, 1.0, 0.0), (vocab + 7, 0.9, 0.0), (0, 0.9, 0.0), (0, 0.3, 0.0), (8, 0.8, 0.0),
-        (12, 0.5, 0.1), (0, 1.0, 0.05), (3, 1.0, 0.5), (16, 0.95, 0.02),
+        (12, 0.5, 0.1), (0, 1.0, 0.05), (3, 1.0, 0.5), (16, 0.95, 0.02), (vocab, 0.7, 0.01),
     ]  # fmt: skip
     columns = list(zip(*cases, strict=True))
     top_k = np.array(columns[0], np.int32)
@@ -224,16 +218,8 @@ def edge_rows(rng, vocab: int):
     min_p = np.array(columns[2], np.float32)
     scaled = tied_logits(rng, len(cases), vocab)
     scaled[4, :40] = scaled[4].max() + 1  # 40 copies of the largest value: top-17 keeps all
-    scaled[3, 10:30] = np.sort(scaled[3])[-16]  # copies of the 16th value past the prefilter
+    scaled[3, 10:30] = np.sort(scaled[3])[-16]  # many copies of the 16th value
     return scaled, top_k, top_p, min_p
-
-
-def served_by_prefilter(scaled, top_k, top_p, min_p, prefilter: int) -> np.ndarray:
-    """bool[B]: rows whose kept set lies inside the `prefilter` largest logits (or no filter)."""
-    unfiltered = (top_k == 0) & (top_p >= 1) & (min_p <= 0)
-    kth = -np.sort(-scaled, axis=-1)[np.arange(len(top_k)), np.clip(top_k, 1, prefilter) - 1]
-    holds_all = np.sum(scaled >= kth[:, None], axis=-1) <= prefilter
-    return unfiltered | ((top_k >= 1) & (top_k <= prefilter) & holds_all)
 
 
 def hf_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -252,51 +238,35 @@ def hf_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.nd
 
 
 @pytest.mark.parametrize("vocab", [300, 2500])
-def test_prefiltered_cutoff_is_the_sorted_one_and_keeps_the_hf_set(vocab, monkeypatch):
-    monkeypatch.setattr(sampling, "TOP_K_BLOCK", 256)  # the two-stage top-k at vocab 2500
+def test_edge_case_cutoffs_keep_the_hf_set(vocab):
     rng = np.random.default_rng(vocab)
     scaled, top_k, top_p, min_p = edge_rows(rng, vocab)
-    args = [jnp.asarray(a) for a in (scaled, top_k, top_p, min_p)]
-    sorted_cut = np.asarray(filter_cutoff(-jnp.sort(-args[0], axis=-1), *args[1:]))
-    rows = len(top_k)
-    unfiltered = (top_k == 0) & (top_p >= 1) & (min_p <= 0)
-    served = served_by_prefilter(scaled, top_k, top_p, min_p, 16)
-    assert unfiltered.sum() >= 1 and 4 < served.sum() < rows
-    # The three branches: nothing cut, the prefilter's candidates, the sort.
-    for drawing in (unfiltered, served, np.ones(rows, bool)):
-        cut = np.asarray(sampling_cutoff(*args, drawing=jnp.asarray(drawing), prefilter=16))
-        for r in np.flatnonzero(drawing):
-            kept = scaled[r] >= cut[r]
-            np.testing.assert_array_equal(kept, scaled[r] >= sorted_cut[r], err_msg=f"row {r}")
-            hf = hf_kept(scaled[r], int(top_k[r]), float(top_p[r]), float(min_p[r]))
-            np.testing.assert_array_equal(kept, hf, err_msg=f"row {r} vs HF")
+    args = [jnp.asarray(a) for a in (top_k, top_p, min_p)]
+    cut = np.asarray(filter_cutoff(-jnp.sort(-jnp.asarray(scaled), axis=-1), *args))
+    for r in range(len(top_k)):
+        kept = scaled[r] >= cut[r]
+        hf = hf_kept(scaled[r], int(top_k[r]), float(top_p[r]), float(min_p[r]))
+        what = f"row {r}: k={top_k[r]} p={top_p[r]} min_p={min_p[r]}"
+        if top_p[r] < 1.0:
+            # HF's top-p cuts at a position of its sort, so it may keep only some copies of a
+            # value tied at the cut; the device keeps every copy of the cut value.
+            assert not (hf & ~kept).any(), what
+            assert (scaled[r][kept & ~hf] == scaled[r][hf].min()).all(), what
+        else:
+            np.testing.assert_array_equal(kept, hf, err_msg=what)
+    assert (scaled[4] >= cut[4]).sum() == 40  # every copy of the k-th value
 
 
-def test_prefiltered_draws_are_the_full_sort_draws():
-    rng = np.random.default_rng(3)
-    vocab = 700
-    scaled, top_k, top_p, min_p = edge_rows(rng, vocab)
-    rows = len(top_k)
-    temperature = rng.choice([0.0, 0.5, 1.0, 1.7], rows).astype(np.float32)
-    temperature[:3] = 0.0
-    temperature[(top_k == 0) & (top_p >= 1) & (min_p <= 0)] = 0.9  # the unfiltered rows draw
-    for mix in ("all", "prefiltered", "unfiltered", "greedy"):
-        t = temperature.copy()
-        if mix == "prefiltered":  # only rows a prefilter of 16 serves draw
-            t[~served_by_prefilter(scaled, top_k, top_p, min_p, 16)] = 0.0
-        elif mix == "unfiltered":
-            t[~((top_k == 0) & (top_p >= 1) & (min_p <= 0))] = 0.0
-        elif mix == "greedy":
-            t[:] = 0.0
-        for draw in range(3):
-            args = (
-                jnp.asarray(scaled), jnp.asarray(t), jnp.asarray(top_p), jnp.asarray(top_k),
-                jnp.arange(rows, dtype=jnp.uint32) + 17 * draw, jnp.full((rows,), draw, jnp.int32),
-                jnp.asarray(min_p),
-            )  # fmt: skip
-            fast = sample(*args, prefilter=16)
-            full = sample(*args, prefilter=0)
-            for a, b in zip(fast, full, strict=True):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=mix)
-            greedy = np.argmax(scaled, axis=-1)
-            np.testing.assert_array_equal(np.asarray(fast.tokens)[t == 0], greedy[t == 0])
+def test_sample_top_logprobs_are_lax_top_k_with_ties(monkeypatch):
+    monkeypatch.setattr(sampling, "TOP_K_BLOCK", 128)  # the two-stage top-k at vocab 1500
+    rng = np.random.default_rng(5)
+    rows, vocab = 6, 1500
+    logits = tied_logits(rng, rows, vocab)
+    logits[2] = 1.0
+    out = sample(jnp.asarray(logits), jnp.zeros(rows), jnp.ones(rows), jnp.zeros(rows, jnp.int32),
+                 jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32))  # fmt: skip
+    top, ids = jax.lax.top_k(jnp.asarray(logits), MAX_LOGPROBS)
+    log_norm = jax.nn.logsumexp(jnp.asarray(logits), axis=-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.asarray(ids))
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.asarray(top - log_norm), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.top_ids[2]), np.arange(MAX_LOGPROBS))

@@ -6,14 +6,11 @@ the top-k survivors renormalised, and min-p. Greedy rows (temperature 0) take th
 the processed logits. Every parameter is a per-row array, so a new mix of parameters never
 recompiles.
 
-The work is bounded by what the rows ask for, decided on device (`lax.cond` on predicates
-computed from the per-row arrays): a step whose rows are all greedy draws nothing; when no
-drawing row filters, nothing is cut; when every filtering row has top-k <= `PREFILTER` (and its
-kept set lies inside that many largest logits), the cut-off comes from those; only a step with
-a row that needs more (top-p or min-p without a small top-k) sorts the whole vocabulary. Every
-branch keeps the same tokens: the cut is the same value, and the draw the same Gumbel-max over
-the whole vocabulary. The top logprobs come from a two-stage top-k (`top_k_blocked`), exact to
-the ids.
+The program has no device branch: with `lax.cond`s that skipped the sort for greedy steps, the
+9B decode step ran ~5 ms slower on the H200 at every batch size (docs/benchmarks.md, issue 17),
+as if the host waited for each predicate before launching the rest. So every step sorts each
+row's scaled logits for the cut-off; the top logprobs come from a two-stage top-k
+(`top_k_blocked`), exact to the ids and cheaper than one `lax.top_k` over the vocabulary.
 
 The penalties read `PenaltyState`, one row per state slot, kept on device and updated inside
 the step (`record_tokens`): which tokens the slot's prompt holds, and how often each output
@@ -35,9 +32,6 @@ MAX_LOGPROBS = 20
 # stop_token_ids) that min_tokens masks.
 MAX_LOGIT_BIAS = 64
 MAX_STOP_IDS = 16
-# Drawing rows whose filter keeps only tokens among this many largest logits find their cut-off
-# without sorting the vocabulary.
-PREFILTER = 64
 # Block of the first stage of `top_k_blocked`: the fastest of 1024-8192 for the top 20 of
 # 131072 at batch 1-256 on the H200 (`python3 scripts/bench_sampling.py`, docs/benchmarks.md).
 TOP_K_BLOCK = 1024
@@ -207,14 +201,11 @@ def sample(
     bias_ids: jax.Array | None = None,  # i32[B, MAX_LOGIT_BIAS]
     bias_values: jax.Array | None = None,  # f32[B, MAX_LOGIT_BIAS]
     penalties: Penalties | None = None,
-    *,
-    prefilter: int = PREFILTER,
 ) -> SampleOutput:
     """Sample one token per row: greedy, or a Gumbel-max draw from the processed,
     temperature-scaled distribution cut by top-k/top-p/min-p (``filter_cutoff``).
 
     Logprobs, ranks and the top logprobs are those of the raw model (vLLM's default).
-    ``prefilter=0`` always sorts the vocabulary to find the cut-off (the same tokens).
     """
     vocab = logits.shape[-1]
     raw = logits.astype(jnp.float32)
@@ -225,20 +216,19 @@ def sample(
     if penalties is not None:
         processed = apply_penalties(processed, penalties)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    drawing = temperature > 0
 
-    def draw(_):
-        scaled = processed / jnp.maximum(temperature, 1e-6)[:, None]
-        cutoff = sampling_cutoff(scaled, top_k, top_p, min_p, drawing=drawing, prefilter=prefilter)
-        masked = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
-        rng_keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(
-            seeds, counters
-        )
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(rng_keys)
-        return jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+    scaled = processed / jnp.maximum(temperature, 1e-6)[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    cutoff = filter_cutoff(sorted_desc, top_k, top_p, min_p)
+    masked = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
 
-    sampled = lax.cond(jnp.any(drawing), draw, lambda _: greedy, None)
-    tokens = jnp.where(drawing, sampled, greedy)
+    def row_key(seed, counter):
+        return jax.random.fold_in(jax.random.PRNGKey(seed), counter)
+
+    rng_keys = jax.vmap(row_key)(seeds, counters)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(rng_keys)
+    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(temperature > 0, sampled, greedy)
 
     token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
     ranks = jnp.sum(raw >= token_logits, axis=-1).astype(jnp.int32)
@@ -250,51 +240,6 @@ def sample(
         top_ids.astype(jnp.int32),
         top_logits - log_norm[:, None],
     )
-
-
-def sampling_cutoff(
-    scaled: jax.Array,  # f32[B, V] temperature-scaled logits
-    top_k: jax.Array,  # i32[B] 0 → off
-    top_p: jax.Array,  # f32[B] 1 → off
-    min_p: jax.Array | None = None,  # f32[B] 0 → off
-    *,
-    drawing: jax.Array | None = None,  # bool[B] rows whose cut-off is used (None: all)
-    prefilter: int = PREFILTER,
-) -> jax.Array:
-    """f32[B]: ``filter_cutoff`` of the sorted rows, the same value for every drawing row,
-    sorting the vocabulary only when such a row's kept set may reach past the ``prefilter``
-    largest logits (a device-side ``lax.cond``)."""
-    vocab = scaled.shape[-1]
-    drawing = jnp.ones(scaled.shape[:1], bool) if drawing is None else drawing
-    min_p_or_off = jnp.zeros_like(top_p) if min_p is None else min_p
-
-    def from_sort(_):
-        return filter_cutoff(-jnp.sort(-scaled, axis=-1), top_k, top_p, min_p)
-
-    if prefilter <= 0 or prefilter >= vocab:
-        return from_sort(None)
-    # No filter at all: the cut is the smallest logit, which keeps every token.
-    unfiltered = ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p_or_off <= 0.0)
-    small_k = (top_k >= 1) & (top_k <= prefilter)
-
-    def keep_all(_):
-        return jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype)
-
-    def from_candidates(_):
-        candidates, _ = top_k_blocked(scaled, prefilter)  # [B, KC] sorted descending
-        # Every copy of the k-th value among the candidates too: top-p and min-p then act on
-        # the same kept set, and the candidates hold all of it.
-        kth = jnp.take_along_axis(candidates, (jnp.clip(top_k, 1, prefilter) - 1)[:, None], -1)
-        holds_all = jnp.sum(scaled >= kth, axis=-1) <= prefilter
-        cut = jnp.where(unfiltered, -jnp.inf, filter_cutoff(candidates, top_k, top_p, min_p))
-        exact = jnp.all(~drawing | unfiltered | (small_k & holds_all))
-        return lax.cond(exact, lambda _: cut, from_sort, None)
-
-    # 0: no drawing row filters; 1: every filtering one has a small top-k; 2: sort.
-    branch = jnp.where(
-        jnp.all(~drawing | unfiltered), 0, jnp.where(jnp.all(~drawing | unfiltered | small_k), 1, 2)
-    )
-    return lax.switch(branch, [keep_all, from_candidates, from_sort], None)
 
 
 class PromptLogprobs(NamedTuple):
