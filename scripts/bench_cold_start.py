@@ -140,7 +140,9 @@ def child(args) -> None:
     if artifact is not None:
         llm = LLM(artifact, params=params)
     else:
-        llm = LLM(args.model, dtype=args.dtype, params=params, **engine)
+        # The cache budget given: no memory probes (two compiles of the largest steps).
+        llm = LLM(args.model, dtype=args.dtype, params=params, **engine,
+                  kv_cache_memory_bytes=args.kv_cache_gib << 30)  # fmt: skip
     t_build = time.perf_counter() - t1
     t2 = time.perf_counter()
     n = 0 if phase == "live" else llm.engine.precompile(show_progress=False)
@@ -184,6 +186,7 @@ def main() -> None:
                    help="export: processes that trace and lower")  # fmt: skip
     p.add_argument("--save-executables", action="store_true",
                    help="art-cold stores what it compiled for art-exec")  # fmt: skip
+    p.add_argument("--kv-cache-gib", type=int, default=48, help="live phases' cache budget")
     p.add_argument("--keep-cache", action="store_true", help="start from the cache there is")
     p.add_argument("--deadline-s", type=float, default=float("inf"),
                    help="start no phase after this many seconds")  # fmt: skip
@@ -206,7 +209,8 @@ def main() -> None:
                "--artifact", artifact, "--model", args.model, "--dtype", args.dtype,
                "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
                str(args.max_model_len), "--max-num-batched-tokens",
-               str(args.max_num_batched_tokens), "--workers", str(args.workers)]  # fmt: skip
+               str(args.max_num_batched_tokens), "--workers", str(args.workers),
+               "--kv-cache-gib", str(args.kv_cache_gib)]  # fmt: skip
         if args.save_executables:
             cmd.append("--save-executables")
         start = time.perf_counter()
