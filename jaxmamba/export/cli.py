@@ -106,7 +106,7 @@ def add_parsers(sub, add_model_args, add_engine_args) -> None:
         "--workers",
         type=int,
         default=1,
-        help="trace and lower the steps in this many CPU-only processes (tracing holds the GIL)",
+        help="trace and lower the steps in this many processes (tracing holds the GIL)",
     )
     exp.set_defaults(func=cmd_export)
     add_more_parsers(sub, add_model_args, add_engine_args)

@@ -188,8 +188,10 @@ def _setup(model: str, engine: dict | None, dtype: str):
 _WORKER_SETUP: dict = {}  # in an export worker process: (model, engine, dtype) -> _setup(...)
 
 
-def _cpu_only() -> None:
-    jax.config.update("jax_platforms", "cpu")  # lowering needs no device; leave the GPU alone
+def _worker_init() -> None:
+    # JAX 0.11's Pallas GPU lowering asks for a GPU device: a worker on a GPU machine opens
+    # one, without taking the memory pool JAX allocates by default.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
 def _export_job(job) -> tuple[bytes, float]:
@@ -219,7 +221,7 @@ def _export_in_workers(jobs: list, workers: int, say) -> list[tuple[bytes, float
 
     ctx = multiprocessing.get_context("spawn")
     results = []
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_cpu_only) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
         for i, result in enumerate(pool.map(_export_job, jobs)):
             results.append(result)
             say(f"traced and lowered {i + 1}/{len(jobs)} in a worker ({result[1]:.1f} s)")
@@ -251,7 +253,7 @@ def export_artifact(
     `weights=` a checkpoint then brings them. `executables=True` (`--executables`) also
     stores each step compiled for this machine's platform and device (when it is among
     `platforms`): a process on the same device kind and jaxlib loads it without compiling.
-    `workers > 1` traces and lowers the steps in that many CPU-only processes."""
+    `workers > 1` traces and lowers the steps in that many processes."""
     from jaxmamba.config import checkpoint_dir
     from jaxmamba.engine.scheduler import Scheduler
     from jaxmamba.llm import DTYPES, load_params
