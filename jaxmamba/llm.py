@@ -98,7 +98,11 @@ def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_para
     from jaxmamba.parallel.plan import TensorParallelPlan
 
     TensorParallelPlan(cfg, tensor_parallel_size)  # refuse an impossible split before loading
-    with jax.default_device(jax.devices("cpu")[0]):
+    try:
+        host = jax.local_devices(backend="cpu")[0]  # this process's: several hosts each load
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS names only accelerators)
+        return load_params(model, cfg, dtype, seed)
+    with jax.default_device(host):
         return load_params(model, cfg, dtype, seed)
 
 

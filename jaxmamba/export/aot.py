@@ -8,6 +8,9 @@ the weights, the cache, XLA's temporaries and the total against the chip's HBM, 
 FLOP and byte estimates with the step time they imply at the chip's peak (a lower bound:
 max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)).
 
+With `--tensor-parallel-size N` the step is the sharded one (jaxmamba.parallel), compiled
+as one SPMD program over N chips of the topology; every figure is then one chip's.
+
 Needs libtpu: `pip install ".[tpu]"`, or the venv `scripts/setup_tpu_venv.sh` prints.
 """
 

@@ -53,6 +53,11 @@ def cmd_export(args) -> int:
     from jaxmamba.export.writer import export_artifact
 
     setup_compilation_cache(enabled=False)  # export lowers only
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: artifacts hold one-device "
+            "steps; serve the model itself to run it sharded (docs/tensor_parallel.md)"
+        )
     platforms = [p.strip() for p in args.platforms.split(",") if p.strip()]
     start = time.perf_counter()
     out = export_artifact(
