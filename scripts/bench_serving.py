@@ -316,7 +316,10 @@ def _build_llm(args, max_len: int):
     from jaxmamba import LLM
     from jaxmamba.engine.config import EngineConfig
     from jaxmamba.export.artifact import is_artifact, read_artifact
+    from jaxmamba.export.compile_cache import setup_compilation_cache
 
+    # Before the weights' jits compile, so that they are cached too.
+    setup_compilation_cache(args.compilation_cache_dir)
     cache = {"compilation_cache_dir": args.compilation_cache_dir} if args.compilation_cache_dir \
         else {}  # fmt: skip
     if is_artifact(args.serve_model):
