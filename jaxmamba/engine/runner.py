@@ -110,6 +110,12 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
         slot_state.penalties, input_ids, meta.token_rows, meta.token_valid, slots,
         inputs.penalty_reset, num_decode=num_decode, pad_slot=spec.pad_slot,
     )  # fmt: skip
+    if meta.forks is not None:  # n > 1: the forked samples see the prompt as their own
+        src, dst = meta.forks.src_slots, meta.forks.dst_slots
+        seen = PenaltyState(
+            seen.prompt_mask.at[dst].set(seen.prompt_mask[src]),
+            seen.output_counts.at[dst].set(seen.output_counts[src]),
+        )
     penalties = Penalties(
         seen.prompt_mask[slots], seen.output_counts[slots], inputs.presence_penalty,
         inputs.frequency_penalty, inputs.repetition_penalty,
