@@ -40,7 +40,9 @@ class UndoLog:
 
 
 class BlockAllocator:
-    """Hands out integer ids in `[0, capacity)`; every id handed out must come back once."""
+    """Hands out integer ids in `[0, capacity)`, reference-counted: `allocate` hands an id out
+    with one reference, `share` adds one (n > 1 samples read their prompt's KV pages), `free`
+    drops one, and the id is free again when none is left."""
 
     def __init__(self, capacity: int, kind: str, undo: UndoLog | None = None):
         if capacity <= 0:
@@ -49,37 +51,62 @@ class BlockAllocator:
         self.kind = kind
         self.undo = undo if undo is not None else UndoLog()
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low ids first
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    def refs(self, i: int) -> int:
+        return self._refs.get(i, 0)
+
     def allocate(self, n: int = 1) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocksError(f"need {n} {self.kind}s, only {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
-        self._used.update(ids)
+        for i in ids:
+            self._refs[i] = 1
         self.undo.push(lambda: self._unallocate(ids))
         return ids
 
-    def free(self, ids: list[int]) -> None:
+    def share(self, ids: list[int]) -> None:
+        """One more reference to each of `ids` (allocated ones)."""
         ids = list(ids)
+        self._check_allocated(ids)
         for i in ids:
-            if i not in self._used:
+            self._refs[i] += 1
+        self.undo.push(lambda: self._unshare(ids))
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference to each of `ids`; those left with none are free again."""
+        ids = list(ids)
+        self._check_allocated(ids)
+        released = []
+        for i in ids:
+            self._refs[i] -= 1
+            if self._refs[i] == 0:
+                del self._refs[i]
+                self._free.append(i)
+                released.append(i)
+        self.undo.push(lambda: self._unfree(ids, released))
+
+    def _check_allocated(self, ids: list[int]) -> None:
+        for i in ids:
+            if self._refs.get(i, 0) <= 0:
                 raise ValueError(f"{self.kind} {i} freed twice or never allocated")
-        for i in ids:
-            self._used.remove(i)
-            self._free.append(i)
-        self.undo.push(lambda: self._unfree(ids))
 
     def _unallocate(self, ids: list[int]) -> None:
         for i in reversed(ids):
-            self._used.remove(i)
+            del self._refs[i]
             self._free.append(i)
 
-    def _unfree(self, ids: list[int]) -> None:
-        for i in reversed(ids):
+    def _unshare(self, ids: list[int]) -> None:
+        for i in ids:
+            self._refs[i] -= 1
+
+    def _unfree(self, ids: list[int], released: list[int]) -> None:
+        for i in reversed(released):
             if self._free.pop() != i:
                 raise RuntimeError(f"{self.kind} undo out of order")
-            self._used.add(i)
+        for i in ids:
+            self._refs[i] = self._refs.get(i, 0) + 1

@@ -11,13 +11,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, MAX_PREFILL_CHECKPOINTS, StepInputs
+from jaxmamba.model.metadata import (
+    MAX_DECODE_CHECKPOINTS,
+    MAX_FORKS,
+    MAX_PREFILL_CHECKPOINTS,
+    StepInputs,
+)
 from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 
 @dataclass
 class RowSpec:
-    """One row of a step: `tokens` are appended after `prefix_len` cached tokens."""
+    """One row of a step: `tokens` are appended after `prefix_len` cached tokens.
+
+    A *fork* row (n > 1) has no tokens: it samples from the logits of the row before it, whose
+    `forks` copy that row's end state into the fork row's slot (and the prompt's partial last
+    KV page into its own page) inside the step."""
 
     tokens: list[int]
     prefix_len: int
@@ -44,6 +53,10 @@ class RowSpec:
     repetition_penalty: float = 1.0
     # prompt_logprobs: the prompt token after each of `tokens` (shorter at the prompt's end)
     prompt_logprob_targets: list[int] | None = None
+    fork: bool = False  # a forked sample: no tokens, state copied from the row before
+    # This row's end state goes to these samples: (slot, source page, own page) each; the
+    # pages are None when the prompt ends on a page boundary (nothing to copy).
+    forks: list[tuple[int, int | None, int | None]] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -134,6 +147,11 @@ class StepBuilder:
         repetition = np.ones(B, np.float32)
         penalty_reset = np.zeros(B, bool)
         prompt_targets = np.full(T, -1, np.int32)
+        fork_src_slots = np.full(MAX_FORKS, pad_slot, np.int32)
+        fork_dst_slots = np.full(MAX_FORKS, pad_slot, np.int32)
+        fork_src_pages = np.full(MAX_FORKS, pad_page, np.int32)
+        fork_dst_pages = np.full(MAX_FORKS, pad_page, np.int32)
+        num_forks = 0
         offset = 0
         for r, row in enumerate(rows):
             n = len(row.tokens)
@@ -146,7 +164,14 @@ class StepBuilder:
             from_device[r] = row.token_from_device
             state_slots[r] = row.state_slot
             init_slots[r] = row.state_slot if row.init_slot is None else row.init_slot
-            has_init[r] = row.prefix_len > 0 and row.state_slot != pad_slot
+            has_init[r] = row.prefix_len > 0 and row.state_slot != pad_slot and not row.fork
+            if row.fork:
+                init_slots[r] = pad_slot  # its state comes from the fork copy
+            for slot, src_page, dst_page in row.forks:
+                fork_src_slots[num_forks], fork_dst_slots[num_forks] = row.state_slot, slot
+                if src_page is not None:
+                    fork_src_pages[num_forks], fork_dst_pages[num_forks] = src_page, dst_page
+                num_forks += 1
             for k, (slot, length) in enumerate(row.checkpoints):
                 track_slots[r, k], track_lens[r, k] = slot, length
             page_table[r, : len(row.pages)] = row.pages
@@ -174,7 +199,8 @@ class StepBuilder:
             input_ids, from_device, qsl, prefix_lens, state_slots, init_slots, has_init,
             track_slots, track_lens, page_table, temperature, top_p, top_k, seeds, counters,
             min_p, min_tokens, stop_ids, bias_ids, bias_values, presence, frequency, repetition,
-            penalty_reset, prompt_targets,
+            penalty_reset, prompt_targets, fork_src_slots, fork_dst_slots, fork_src_pages,
+            fork_dst_pages,
         )  # fmt: skip
 
     def padding(self, bucket: Bucket) -> StepInputs:
@@ -197,12 +223,17 @@ class StepBuilder:
                 f"{decode_checkpoints} decode rows checkpoint in one step, at most "
                 f"{MAX_DECODE_CHECKPOINTS}"
             )
+        num_forks = sum(len(row.forks) for row in rows)
+        if num_forks > MAX_FORKS:
+            raise ValueError(f"{num_forks} forked samples in one step, at most {MAX_FORKS}")
         page_size = self.spec.page_size
         for r, row in enumerate(rows):
             n = len(row.tokens)
             if row.state_slot == self.spec.pad_slot:
                 continue  # a filler row
-            if n == 0:
+            if row.fork:
+                self._validate_fork(r, row, rows)
+            elif n == 0:
                 raise ValueError(f"row {r} has no tokens")
             if r < nd and n != 1:
                 raise ValueError(f"decode row {r} must carry exactly 1 token, got {n}")
@@ -225,6 +256,21 @@ class StepBuilder:
                     f"row {r}: length {row.seq_len} needs {need} pages, has {len(row.pages)}"
                 )
             self._validate_checkpoints(r, row, decode=r < nd)
+
+    def _validate_fork(self, r: int, row: RowSpec, rows: list[RowSpec]) -> None:
+        """A fork row carries nothing and follows its source row (or a sibling fork row), so
+        the source's last token is the one before it and it samples those logits."""
+        src = r - 1
+        while src >= 0 and rows[src].fork:
+            src -= 1
+        if row.tokens or row.token_from_device or row.checkpoints or row.forks:
+            raise ValueError(f"fork row {r} must have no tokens, checkpoints or forks")
+        if src < 0 or row.state_slot not in [slot for slot, _, _ in rows[src].forks]:
+            raise ValueError(f"fork row {r} (slot {row.state_slot}) does not follow the row "
+                             f"that forks into its slot")  # fmt: skip
+        if row.prefix_len != rows[src].seq_len:
+            raise ValueError(f"fork row {r}: prefix_len {row.prefix_len} must equal its source "
+                             f"row's length {rows[src].seq_len}")  # fmt: skip
 
     def _validate_checkpoints(self, r: int, row: RowSpec, *, decode: bool) -> None:
         checkpoints = row.checkpoints

@@ -122,8 +122,9 @@ class LLMEngine:
         """Queue a request. `prompt`: token ids, a string (tokenized here), or a dict with
         `prompt_token_ids` (and optionally the `prompt` text they came from) or `prompt`.
 
-        `params.n > 1` queues n sibling sequences (seeds from `sibling_seed`); each prefills
-        the prompt itself, apart from what the prefix cache shares."""
+        `params.n > 1` queues n sibling sequences (seeds from `sibling_seed`): sample 0
+        prefills the prompt, and the others are forked off its end state inside the step that
+        finishes it (see `Scheduler`), each sampling its first token from the same logits."""
         request_id = str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -142,6 +143,8 @@ class LLMEngine:
             Request(request_id, list(ids), params, seed=sibling_seed(seed, i), index=i)
             for i in range(params.n)
         ]
+        for sib in seqs[1:]:
+            sib.leader = seqs[0]
         detokenizers = [self._detokenizer(params) for _ in seqs]
         group = RequestGroup(request_id, text, list(ids), seqs, detokenizers)
         if params.prompt_logprobs is not None:
@@ -413,6 +416,7 @@ class LLMEngine:
             "compilations": self.runner.num_compiles,
             "free_slots": s.slots.num_free,
             "free_pages": s.pages.num_free,
+            "forked_samples": s.forked_samples,
             **{f"{k}_steps": v for k, v in st.step_kinds.items()},
         }
         out.update(self.scheduler.pool_split())

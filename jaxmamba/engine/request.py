@@ -39,6 +39,7 @@ class Request:
     cached_len: int = 0  # length of the deepest prefix it has in the cache tree
     branch_len: int = 0  # > 0: its prefill also checkpoints here (where prompts branch)
     was_held: bool = False  # it waited for another request's branch checkpoint
+    leader: Request | None = None  # sample 0 of its request (samples i > 0 fork off it)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -12,7 +12,16 @@ and, when the request's prompt branches off a prefix that others share, at the b
 A branch point is known either from the tree (KV cached deeper than any state on the path) or
 from the waiting queue (prompts that arrive together): then the first of them is admitted as
 the *leader* and checkpoints there, and the others wait until that checkpoint is in the tree,
-so they resume from it instead of computing the shared prefix again.
+so they resume from it instead of computing the shared prefix again. A request that arrives
+while a running request has not yet fed the prefix they share (a later chunk of its prompt)
+makes that request checkpoint there in the same way, and waits for it.
+
+`n > 1`: sample 0 prefills the prompt; the step that feeds its last chunk also *forks* the
+other samples (up to `MAX_FORKS` a step): each gets its own slot, a copy of sample 0's end
+state and of the prompt's partial last KV page (made inside the step), shares the prompt's
+full pages (reference-counted), and samples its first token from the same logits in a
+zero-token row. Until then the samples wait; those past `MAX_FORKS` (or without room) are
+admitted afterwards like any request and resume from the prefix cache.
 
 `transaction()` wraps scheduling a step and dispatching it: every change made inside (queues,
 request counters, slots, pages, prefix-cache references and evictions) is undone if it raises.
@@ -31,7 +40,7 @@ from jaxmamba.engine.batch import Bucket, RowSpec, pow2_buckets, smallest_fittin
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.prefix_cache import PrefixCache
 from jaxmamba.engine.request import Request
-from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, MAX_PREFILL_CHECKPOINTS
+from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, MAX_FORKS, MAX_PREFILL_CHECKPOINTS
 
 
 @dataclass
@@ -97,12 +106,14 @@ class Scheduler:
         # Waiting requests with that prefix are held until the checkpoint is in the tree.
         self.pending_branches: dict[int, tuple[Request, int, tuple[int, ...]]] = {}
         self.held_admissions = 0  # admissions that were held back for a leader's checkpoint
+        self.forked_samples = 0  # n > 1 samples forked off sample 0's prefill (no prompt fed)
         self.decode_buckets = pow2_buckets(config.max_num_seqs)
         # Prefill rows are not bucketed: every prefill/mixed step has `max_prefill_rows` of
         # them (empty ones cost a few padding chunks), which keeps the bucket count linear.
         self.max_prefill_rows = min(config.max_prefill_seqs, config.max_num_seqs)
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, start=16)
         self.waiting: deque[Request] = deque()
+        self._prompts_ending: set[int] = set()
         self.running: list[Request] = []
 
     # -- buckets ------------------------------------------------------------------------------
@@ -165,8 +176,7 @@ class Scheduler:
         match = None
         # The repetition penalty needs every prompt token fed (a hit's are never fed), and
         # prompt_logprobs every prompt token computed (vLLM V1 skips the cache for them too).
-        p = req.params
-        if cache is not None and p.repetition_penalty == 1.0 and p.prompt_logprobs is None:
+        if cache is not None and _cacheable(req):
             match = cache.match(req.prompt_token_ids, req.prompt_len - 1)
             cache.hit(match.path)  # pin before evicting for this request's own needs
         shared = match.pages if match else []
@@ -217,12 +227,12 @@ class Scheduler:
     def _peer_branch(self, req: Request, resume: int) -> int:
         """The block boundary deeper than `resume` that `req` shares with the most waiting
         prompt tokens (length x prompts sharing it), or 0."""
-        if req.params.repetition_penalty != 1.0:
+        if not _cacheable(req):
             return 0
         b, mine = self.block_size, req.prompt_token_ids[: req.prompt_len - 1]
         shared = []
         for other in self.waiting:
-            if other is req or other.params.repetition_penalty != 1.0:
+            if other is req or not _cacheable(other) or other.leader is not None:
                 continue
             theirs = other.prompt_token_ids[: other.prompt_len - 1]
             n = aligned_common_prefix(mine, theirs, b, resume)
@@ -231,6 +241,87 @@ class Scheduler:
         if not shared:
             return 0
         return max(set(shared), key=lambda d: (d * sum(s >= d for s in shared), d))
+
+    def _adopt_late_arrivals(self) -> None:
+        """A waiting request that shares with a running one a prefix that the running one has
+        not fed yet (a later chunk of its prompt): the running one checkpoints there too (its
+        branch point) and the waiting one is held for it, unless the tree already has as
+        deep a state for it."""
+        leaders = [r for r in self.running if r.in_prefill and not r.finished and _cacheable(r)
+                   and id(r) not in self.pending_branches]  # fmt: skip
+        if not leaders or not self.waiting:
+            return
+        b = self.block_size
+        for req in self.waiting:
+            if req.leader is not None or not _cacheable(req) or self._held(req):
+                continue
+            mine, best, depth = req.prompt_token_ids[: req.prompt_len - 1], None, 0
+            for lead in leaders:
+                if id(lead) in self.pending_branches:
+                    continue
+                floor = lead.num_computed - lead.num_computed % b
+                theirs = lead.prompt_token_ids[: lead.prompt_len - 1]
+                d = aligned_common_prefix(mine, theirs, b, floor)
+                if d > lead.num_computed and d > depth:
+                    best, depth = lead, d
+            if best is None or self.prefix_cache.match(mine, len(mine)).length >= depth:
+                continue
+            self._save(best)
+            best.branch_len = depth
+            key = id(best)
+            self.pending_branches[key] = (best, depth, tuple(mine[:depth]))
+            self.undo.push(lambda key=key: self.pending_branches.pop(key, None))
+
+    def _sibling_held(self, req: Request) -> bool:
+        """Sample i > 0 of a request waits while sample 0 prefills: it is forked in the step
+        that feeds sample 0's last prompt chunk, or, past that step, resumes from the prefix
+        cache like any request."""
+        lead = req.leader
+        if lead is None or lead.finished:
+            return False
+        return lead.in_prefill or id(lead) in self._prompts_ending
+
+    def _fork_samples(self, lead: Request, row: ScheduledRow, room: int) -> list[ScheduledRow]:
+        """Fork `lead`'s waiting samples off `row`, the row that feeds the rest of its prompt
+        (at most `room` rows, and MAX_FORKS a step): their zero-token rows follow it."""
+        cfg, page = self.config, self.config.page_size
+        full = lead.prompt_len // page  # pages the prompt fills: shared, read-only
+        shared = lead.pages[:full]
+        partial = lead.prompt_len % page != 0
+        total = -(-lead.max_total_len(cfg.max_model_len) // page)
+        rows = []
+        for sib in [r for r in self.waiting if r.leader is lead]:
+            if len(rows) >= room or self._forks_left == 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            slot = self._take(self.slots, 1, slots=True)
+            own = self._take(self.pages, total - full, slots=False) if slot else None
+            if own is None:
+                if slot:
+                    self.slots.free(slot)
+                break
+            self._save(sib)
+            self.pages.share(shared)
+            sib.slot, sib.pages, sib.owned_pages = slot[0], shared + own, set(shared) | set(own)
+            sib.num_computed = sib.prompt_len
+            spec = self._row(sib, [], from_device=False)
+            spec.fork = True
+            sib.num_scheduled_outputs = 1
+            self._start(sib)
+            row.spec.forks.append(
+                (sib.slot, lead.pages[full], own[0]) if partial else (sib.slot, None, None)
+            )
+            rows.append(ScheduledRow(sib, spec, samples=True))
+            self._forks_left -= 1
+            self.forked_samples += 1
+            self.undo.push(lambda: setattr(self, "forked_samples", self.forked_samples - 1))
+        return rows
+
+    def _start(self, req: Request) -> None:
+        """Move `req` from the waiting queue to the running list."""
+        i = self.waiting.index(req)
+        del self.waiting[i]
+        self.running.append(req)
+        self.undo.push(lambda: (self.running.remove(req), self.waiting.insert(i, req)))
 
     def _held(self, req: Request) -> bool:
         """A leader is about to checkpoint a prefix of `req`'s prompt: wait for it."""
@@ -378,17 +469,30 @@ class Scheduler:
         bd = smallest_fitting([0, *self.decode_buckets], len(rows), "decode rows")
         budget = cfg.max_num_batched_tokens - bd
         max_prefill = self.max_prefill_rows
+        self._forks_left = MAX_FORKS
+        self._prompts_ending: set[int] = set()  # requests whose prompt ends in this step
         prefill: list[ScheduledRow] = []
+
+        def feed(req: Request) -> int:
+            n = min(budget, req.prompt_len - req.num_computed)
+            row = self._schedule_tokens(req, n, from_device=False)
+            prefill.append(row)
+            if row.samples and req.params.n > 1 and req.num_scheduled_outputs == 1:
+                self._prompts_ending.add(id(req))
+                prefill.extend(self._fork_samples(req, row, max_prefill - len(prefill)))
+            return n
+
+        if self.prefix_cache is not None:
+            self._adopt_late_arrivals()
         for req in [r for r in self.running if r.in_prefill and not r.finished]:
             if budget <= 0 or len(prefill) >= max_prefill:
                 break
-            n = min(budget, req.prompt_len - req.num_computed)
-            prefill.append(self._schedule_tokens(req, n, from_device=False))
-            budget -= n
-        i = 0
-        while (i < len(self.waiting) and budget > 0 and len(prefill) < max_prefill
-               and len(self.running) < cfg.max_num_seqs):  # fmt: skip
-            req = self.waiting[i]
+            budget -= feed(req)
+        for req in list(self.waiting):
+            if budget <= 0 or len(prefill) >= max_prefill or len(self.running) >= cfg.max_num_seqs:
+                break
+            if req.slot is not None or self._sibling_held(req):
+                continue  # forked above, or waiting for sample 0
             if self.pending_branches and self._held(req):
                 if not req.was_held:
                     self._save(req)
@@ -396,16 +500,11 @@ class Scheduler:
                     self.held_admissions += 1
                     self.undo.push(lambda: setattr(self, "held_admissions",
                                                    self.held_admissions - 1))  # fmt: skip
-                i += 1
                 continue
             if not self._admit(req):
                 break
-            del self.waiting[i]
-            self.running.append(req)
-            self.undo.push(lambda req=req, i=i: (self.running.pop(), self.waiting.insert(i, req)))
-            n = min(budget, req.prompt_len - req.num_computed)
-            prefill.append(self._schedule_tokens(req, n, from_device=False))
-            budget -= n
+            self._start(req)
+            budget -= feed(req)
         if not rows and not prefill:
             return None
         if not prefill:
@@ -416,6 +515,12 @@ class Scheduler:
         if bd >= t:  # keep at least one prefill token slot past the decode block
             t = smallest_fitting(self.token_buckets, bd + 1, "step tokens")
         return ScheduledStep(rows + prefill, Bucket(t, bd + max_prefill, bd), len(rows))
+
+
+def _cacheable(req: Request) -> bool:
+    """The prefix cache serves it: the repetition penalty needs every prompt token fed, and
+    prompt_logprobs every prompt token computed."""
+    return req.params.repetition_penalty == 1.0 and req.params.prompt_logprobs is None
 
 
 def aligned_common_prefix(a: list[int], b: list[int], block: int, floor: int = 0) -> int:
