@@ -12,6 +12,9 @@ system prompt B:
 * on, warm: B again with fresh questions: every request resumes from B's checkpoint at once.
 
 The "on" engine runs a cold and a warm pass on A first, so neither timed pass compiles.
+With `--precompile`, every bucket is compiled up front instead (in parallel threads) and the
+passes on A are skipped; `--decode-buckets`/`--token-buckets` replace the power-of-two
+bucket ladders (fewer compiles, more padding; the same for both engines).
 
     python scripts/bench_prefix_cache.py --model nemotron-nano-9b-v2 --dtype bfloat16 \\
         --requests 64 --system-len 2048 --suffix-len 128 --max-tokens 128
@@ -20,6 +23,7 @@ The "on" engine runs a cold and a warm pass on A first, so neither timed pass co
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -62,6 +66,15 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: --requests")
     p.add_argument("--max-prefill-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--decode-buckets", type=int, nargs="+", default=None)
+    p.add_argument("--token-buckets", type=int, nargs="+", default=None)
+    p.add_argument("--precompile", action="store_true", help="compile every bucket up front")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="skip sizing the cache from device memory (no probe compiles)",
+    )
     args = p.parse_args()
     cfg = ModelConfig.load(args.model)
     dtype = DTYPES[args.dtype]
@@ -89,10 +102,17 @@ def main() -> None:
             num_state_slots=2 * seqs, num_pages=pages, max_num_seqs=seqs, max_model_len=max_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_seqs=args.max_prefill_seqs,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         )  # fmt: skip
-        llm.generate(prompt_token_ids=workload(systems[0]), sampling_params=sp, use_tqdm=False)
-        if caching:
-            llm.generate(prompt_token_ids=workload(systems[0]), sampling_params=sp, use_tqdm=False)
+        llm.engine.scheduler.use_buckets(args.decode_buckets, args.token_buckets)
+        if args.precompile:
+            llm.engine.precompile(show_progress=False)
+        else:
+            warm_up = workload(systems[0])
+            llm.generate(prompt_token_ids=warm_up, sampling_params=sp, use_tqdm=False)
+            if caching:
+                llm.generate(prompt_token_ids=workload(systems[0]), sampling_params=sp,
+                             use_tqdm=False)  # fmt: skip
         warm = time.perf_counter() - start
         print(f"caching={caching}: warm-up {warm:.0f} s, {llm.stats()['compilations']} compiles",
               flush=True)  # fmt: skip
@@ -103,9 +123,11 @@ def main() -> None:
             results[name]["stats"] = llm.stats()
             print(name, {k: v for k, v in results[name].items() if k not in ("tokens", "stats")},
                   flush=True)  # fmt: skip
-        if out_dir:
-            with open(os.path.join(out_dir, "prefix_cache.json"), "w") as f:
-                json.dump({k: {**v, "tokens": None} for k, v in results.items()}, f, indent=1)
+            if out_dir:
+                with open(os.path.join(out_dir, "prefix_cache.json"), "w") as f:
+                    json.dump({k: {**v, "tokens": None} for k, v in results.items()}, f, indent=1)
+        del llm
+        gc.collect()
     print(
         f"\n{args.requests} requests arriving together: {args.system_len}-token shared system "
         f"prompt + {args.suffix_len}-token question each, {args.max_tokens} output tokens, "

@@ -126,6 +126,22 @@ class Scheduler:
                     buckets.append(Bucket(t, bd + self.max_prefill_rows, bd))
         return buckets
 
+    def use_buckets(self, decode: list[int] | None = None, tokens: list[int] | None = None) -> None:
+        """Replace the power-of-two ladders of decode rows and step tokens (fewer compiled
+        steps, more padding). Each list is increasing and ends at its limit: max_num_seqs,
+        max_num_batched_tokens."""
+        cfg = self.config
+        for sizes, limit, what in ((decode, cfg.max_num_seqs, "decode"),
+                                   (tokens, cfg.max_num_batched_tokens, "token")):  # fmt: skip
+            if sizes is None:
+                continue
+            if sorted(set(sizes)) != list(sizes) or sizes[-1] != limit or sizes[0] <= 0:
+                raise ValueError(f"{what} buckets {sizes} must increase from > 0 to {limit}")
+        if decode is not None:
+            self.decode_buckets = list(decode)
+        if tokens is not None:
+            self.token_buckets = list(tokens)
+
     # -- transactions -------------------------------------------------------------------------
     @contextlib.contextmanager
     def transaction(self):
