@@ -27,13 +27,15 @@ NEW = 6
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     path, model = make_nemotron_h_checkpoint(
-        tmp_path_factory.mktemp("branch") / "m", pattern="M*M-", chunk_size=16, seed=7
+        tmp_path_factory.mktemp("branch") / "m", pattern="M*M", chunk_size=16, seed=7
     )
+    model.generation_config.eos_token_id = None  # the engine's requests ignore eos too
     return str(path), model.eval()
 
 
 def make_llm(path, **kw):
-    # Every engine here (caching on or off) has the same pools, so they share compiled steps.
+    # Every engine here (caching on or off) has the same pools, so they share compiled steps;
+    # XLA:CPU compiles dominate this file's time, so the workloads reuse a few buckets.
     kw = {"max_num_seqs": 6, "max_model_len": 320, "max_num_batched_tokens": 256,
           "max_prefill_seqs": 6, "page_size": 16, "num_state_slots": 12, "num_pages": 240,
           "compilation_cache": False, **kw}  # fmt: skip
@@ -45,6 +47,28 @@ def llm_off(hf_model):
     return make_llm(hf_model[0], enable_prefix_caching=False)
 
 
+@pytest.fixture(scope="module")
+def shared_llm(hf_model):
+    return make_llm(hf_model[0])
+
+
+@pytest.fixture
+def llm(shared_llm):
+    """The module's caching engine with an empty tree (its counters run on: use `since`)."""
+    shared_llm.reset_prefix_cache()
+    assert_nothing_leaks(shared_llm)
+    return shared_llm
+
+
+def since(llm, before: dict) -> dict:
+    """The engine's counters now, less `before` where they count events."""
+    now = llm.stats()
+    gauges = ("free_slots", "free_pages", "state_slots", "state_slots_running",
+              "state_slots_checkpoints", "prefix_cache_nodes", "prefix_cache_hit_rate",
+              "prefix_cache_checkpoint_slots_in_use")  # fmt: skip
+    return {k: v if k in gauges else v - before.get(k, 0) for k, v in now.items()}
+
+
 def greedy(max_tokens=NEW, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
@@ -53,16 +77,28 @@ def random_ids(rng, n):
     return rng.integers(3, 97, n).tolist()
 
 
+HF_CACHE: dict[tuple, list[int]] = {}
+
+
 def hf_greedy(model, prompt, n=NEW):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
+    key = (tuple(prompt), n)
+    if key not in HF_CACHE:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0
+            )
+        HF_CACHE[key] = out[0, len(prompt) :].tolist()
+    return HF_CACHE[key]
 
 
 def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
+
+
+def one_by_one(llm, prompts, params=None):
+    """Each prompt in its own `generate` call."""
+    params = params or greedy()
+    return [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
 
 
 TIE = 2e-3  # logit gap under which float32 rounding may pick either token
@@ -86,40 +122,45 @@ def assert_greedy_under_hf(model, prompt, ours):
 
 
 def assert_matches_oracles(model, llm_off, prompts, outs):
+    """HF's greedy tokens, and those of the engine with caching off (each prompt sent alone:
+    the same compiled steps as the sequential workloads, and the tokens do not depend on
+    what else runs)."""
     got = tokens(outs)
     for prompt, ours in zip(prompts, got, strict=True):
         assert_greedy_under_hf(model, prompt, ours[:HF_TOKENS])
-    assert got == tokens(llm_off.generate(prompt_token_ids=prompts, sampling_params=greedy()))
+    assert got == tokens(one_by_one(llm_off, prompts))
 
 
 def assert_nothing_leaks(llm):
     scheduler = llm.engine.scheduler
     assert not scheduler.running and not scheduler.waiting and not scheduler.pending_branches
     cache = scheduler.prefix_cache
-    assert scheduler.slots.num_free + cache.num_checkpoints == scheduler.slots.capacity
+    checkpoints = cache.num_checkpoints if cache is not None else 0
+    assert scheduler.slots.num_free + checkpoints == scheduler.slots.capacity
     llm.reset_prefix_cache()
     assert scheduler.slots.num_free == scheduler.slots.capacity
     assert scheduler.pages.num_free == scheduler.pages.capacity
-    assert cache.num_nodes == 0 and cache.num_checkpoints == 0
+    if cache is not None:
+        assert cache.num_nodes == 0 and cache.num_checkpoints == 0
 
 
-def shared_prompts(seed, n=6, shared=SHARED):
+def shared_prompts(seed, n=6, shared=SHARED, own=(10, 60)):
     rng = np.random.default_rng(seed)
     system = random_ids(rng, shared)
-    return [system + random_ids(rng, int(k)) for k in rng.integers(10, 60, n)]
+    return [system + random_ids(rng, int(k)) for k in rng.integers(*own, n)]
 
 
-def test_requests_sent_one_after_another_hit_from_the_third(hf_model, llm_off):
-    path, model = hf_model
-    llm = make_llm(path)
-    prompts = shared_prompts(0)
-    outs = [llm.generate(prompt_token_ids=[p], sampling_params=greedy())[0] for p in prompts]
+def test_requests_sent_one_after_another_hit_from_the_third(hf_model, llm_off, llm):
+    model = hf_model[1]
+    before = llm.stats()
+    prompts = shared_prompts(0, own=(25, 57))  # one step each; the hits' tails in one bucket
+    outs = one_by_one(llm, prompts)
     cached = [o.num_cached_tokens for o in outs]
     # The first checkpoints at its own end (in its unique part); the second finds the KV of the
     # shared part but no state, recomputes it and checkpoints at the branch point; the rest hit.
     assert cached[:2] == [0, 0]
     assert all(c >= ALIGNED for c in cached[2:]), cached
-    stats = llm.stats()
+    stats = since(llm, before)
     assert stats["prefix_cache_partial_hits"] == 1
     assert stats["prefix_cache_recomputed_tokens"] == ALIGNED
     assert stats["prefix_cache_branch_checkpoints"] == 1
@@ -129,53 +170,92 @@ def test_requests_sent_one_after_another_hit_from_the_third(hf_model, llm_off):
     assert_nothing_leaks(llm)
 
 
-def test_requests_sent_together_compute_the_shared_prefix_once(hf_model, llm_off):
-    path, model = hf_model
-    llm = make_llm(path)
+def test_requests_sent_together_compute_the_shared_prefix_once(hf_model, llm_off, llm):
+    model = hf_model[1]
+    before = llm.stats()
     prompts = shared_prompts(1)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy())
     # Best achievable: the first computes the shared prefix and checkpoints at its aligned
     # end; the other five wait for that checkpoint and resume from it.
     assert [o.num_cached_tokens for o in outs] == [0] + [ALIGNED] * 5
-    stats = llm.stats()
+    stats = since(llm, before)
     assert stats["prefill_tokens"] == sum(len(p) for p in prompts) - 5 * ALIGNED
     assert stats["prefix_cache_held_requests"] == 5
-    assert stats["compilations"] > 0
+    assert llm.stats()["compilations"] > 0
     assert_matches_oracles(model, llm_off, prompts, outs)
     # The same workload again (a new suffix each) hits from the tree at once, nobody waits.
     rng = np.random.default_rng(2)
     again = [p[:SHARED] + random_ids(rng, 9 + i) for i, p in enumerate(prompts)]
     outs = llm.generate(prompt_token_ids=again, sampling_params=greedy())
     assert [o.num_cached_tokens for o in outs] == [ALIGNED] * 6
-    assert llm.stats()["prefix_cache_held_requests"] == 5
+    assert since(llm, before)["prefix_cache_held_requests"] == 5
     assert_matches_oracles(model, llm_off, again, outs)
     assert_nothing_leaks(llm)
 
 
-def test_few_shot_prompts_sharing_two_of_three_examples(hf_model, llm_off):
-    path, model = hf_model
-    llm = make_llm(path)
+def test_a_request_arriving_while_a_peer_prefills_waits_for_its_branch_point(
+    hf_model, llm_off, llm
+):
+    model = hf_model[1]
+    rng = np.random.default_rng(9)
+    system = random_ids(rng, SHARED)
+    # `first` takes 250 of the first step's 256 tokens, so `lead` feeds only its first 6 then
+    # and the shared prefix in the next step; `late` arrives after that first step.
+    prompts = {"first": random_ids(rng, 250), "lead": system + random_ids(rng, 50),
+               "late": system + random_ids(rng, 54)}  # fmt: skip
+    engine, before, outs = llm.engine, llm.stats(), {}
+
+    def collect(deltas):
+        for d in deltas:
+            if d.request_id in outs:
+                outs[d.request_id].add(d)
+            else:
+                outs[d.request_id] = d
+
+    # `first` and `lead` sample one token each, so `late`'s step has no decode rows (a bucket
+    # the other tests compile too).
+    engine.add_request("first", prompts["first"], greedy(max_tokens=1))
+    engine.add_request("lead", prompts["lead"], greedy(max_tokens=1))
+    collect(engine.step())
+    (lead,) = [r for r in engine.scheduler.running if r.request_id == "lead"]
+    assert lead.num_computed == 6
+    engine.add_request("late", prompts["late"], greedy())
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    # Best achievable: `lead` has not fed the shared prefix yet when `late` arrives, so it
+    # checkpoints at the branch point and `late` resumes there, feeding only its own part.
+    assert [outs[k].num_cached_tokens for k in prompts] == [0, 0, ALIGNED]
+    stats = since(llm, before)
+    assert stats["prefill_tokens"] == sum(map(len, prompts.values())) - ALIGNED
+    assert stats["prefix_cache_branch_checkpoints"] == 1
+    assert stats["prefix_cache_held_requests"] == 1
+    for k in ("first", "lead"):
+        assert outs[k].outputs[0].token_ids == hf_greedy(model, prompts[k], 1)
+    assert_matches_oracles(model, llm_off, [prompts["late"]], [outs["late"]])
+    assert_nothing_leaks(llm)
+
+
+def test_few_shot_prompts_sharing_two_of_three_examples(hf_model, llm_off, llm):
+    model = hf_model[1]
     rng = np.random.default_rng(3)
     examples = [random_ids(rng, 70) for _ in range(2)]
     prompts = [examples[0] + examples[1] + random_ids(rng, 50) + random_ids(rng, 12)
                for _ in range(5)]  # fmt: skip
     shared = 140 - 140 % BLOCK
-    outs = [llm.generate(prompt_token_ids=[p], sampling_params=greedy())[0] for p in prompts]
+    outs = one_by_one(llm, prompts)
     assert all(o.num_cached_tokens >= shared for o in outs[2:]), [o.num_cached_tokens for o in outs]
+    assert_matches_oracles(model, llm_off, prompts, outs)
+    assert_nothing_leaks(llm)
     # Sent together, only the first computes the two shared examples.
     together = [examples[0] + examples[1] + random_ids(rng, 40) for _ in range(4)]
-    fresh = make_llm(path)
-    outs_t = fresh.generate(prompt_token_ids=together, sampling_params=greedy())
+    outs_t = llm.generate(prompt_token_ids=together, sampling_params=greedy())
     assert [o.num_cached_tokens for o in outs_t] == [0] + [shared] * 3
-    assert_matches_oracles(model, llm_off, prompts, outs)
     assert_matches_oracles(model, llm_off, together, outs_t)
     assert_nothing_leaks(llm)
-    assert_nothing_leaks(fresh)
 
 
-def test_multi_turn_chat_keeps_hitting(hf_model, llm_off):
-    path, model = hf_model
-    llm = make_llm(path)
+def test_multi_turn_chat_keeps_hitting(hf_model, llm_off, llm):
+    model = hf_model[1]
     rng = np.random.default_rng(4)
     prompt = random_ids(rng, 37)
     previous, prompts, outs = 0, [], []
@@ -185,26 +265,30 @@ def test_multi_turn_chat_keeps_hitting(hf_model, llm_off):
         prompts.append(prompt)
         outs.append(out)
         previous = len(prompt)
-        prompt = prompt + out.outputs[0].token_ids + random_ids(rng, int(rng.integers(5, 30)))
+        # The next user turn: 35-45 tokens, so every uncached tail is 41-66 tokens and every
+        # prompt fits one step.
+        prompt = prompt + out.outputs[0].token_ids + random_ids(rng, int(rng.integers(35, 46)))
     assert all(o.num_cached_tokens > 0 for o in outs[1:])
     assert_matches_oracles(model, llm_off, prompts, outs)
     assert_nothing_leaks(llm)
 
 
-def test_eviction_pressure_gives_every_slot_and_page_back(hf_model, llm_off):
-    path, model = hf_model
-    # 12 slots (6 for running requests, 6 for checkpoints) and 240 pages (120 reserved by 6
-    # running requests at most): 15 prompts from 4 families and 3 loners overflow both.
-    llm = make_llm(path)
+def test_eviction_pressure_gives_every_slot_and_page_back(hf_model, llm_off, llm):
+    model = hf_model[1]
+    before = llm.stats()
+    # 12 slots (6 for running requests, 6 for checkpoints) and 240 pages: 15 prompts from 4
+    # families and 3 loners, each family's three sent together, overflow both.
     rng = np.random.default_rng(5)
-    families = [shared_prompts(10 + f, n=3, shared=int(rng.integers(40, 120))) for f in range(4)]
-    prompts = [p for triple in zip(*families, strict=True) for p in triple]
-    prompts += [random_ids(rng, 250) for _ in range(3)]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy())
-    assert tokens(outs) == tokens(
-        llm_off.generate(prompt_token_ids=prompts, sampling_params=greedy())
-    )
-    stats = llm.stats()
+    families = [shared_prompts(10 + f, n=3, shared=int(rng.integers(40, 120)), own=(70, 110))
+                for f in range(4)]  # fmt: skip
+    loners = [random_ids(rng, 250) for _ in range(3)]
+    outs = []
+    for family in families:
+        outs += llm.generate(prompt_token_ids=family, sampling_params=greedy())
+    outs += one_by_one(llm, loners)
+    prompts = [p for family in families for p in family] + loners
+    assert tokens(outs) == tokens(one_by_one(llm_off, prompts))
+    stats = since(llm, before)
     assert stats["prefix_cache_evicted_checkpoints"] > 0
     assert stats["prefix_cache_evicted_nodes"] > 0
     assert stats["prefix_cache_hits"] > 0
@@ -235,28 +319,78 @@ def test_cost_aware_eviction_keeps_the_checkpoint_that_saves_most():
     assert cache.stats["evicted_checkpoints"] == 1
 
 
-def test_n_samples_share_one_prefill(hf_model):
-    path, model = hf_model
-    llm = make_llm(path)
+def test_shared_pages_are_reference_counted():
+    from jaxmamba.engine.allocator import BlockAllocator, UndoLog
+
+    undo = UndoLog()
+    pages = BlockAllocator(4, "page", undo)
+    a = pages.allocate(2)
+    pages.share(a)
+    pages.free(a)
+    assert pages.num_free == 2 and [pages.refs(p) for p in a] == [1, 1]
+    undo.begin()
+    pages.free(a[:1])
+    pages.share(a[1:])
+    assert pages.num_free == 3
+    undo.rollback()
+    assert pages.num_free == 2 and [pages.refs(p) for p in a] == [1, 1]
+    pages.free(a)
+    assert pages.num_free == 4
+    with pytest.raises(ValueError, match="freed twice"):
+        pages.free(a[:1])
+
+
+def test_n_samples_prefill_the_prompt_once_and_fork_inside_the_step(hf_model, llm_off, llm):
+    from jaxmamba.engine.engine import sibling_seed
+
+    model = hf_model[1]
     rng = np.random.default_rng(7)
+    # 90 tokens end inside a page (the partial page is copied to each sample); 96 on a page
+    # boundary (nothing to copy), with caching off.
+    for engine_llm, prompt in ((llm, random_ids(rng, 90)), (llm_off, random_ids(rng, 96))):
+        before = engine_llm.stats()
+        (out,) = engine_llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(n=4))
+        stats = since(engine_llm, before)
+        assert stats["prefill_tokens"] == len(prompt)  # the samples compute no prompt token
+        assert stats["forked_samples"] == 3
+        assert_greedy_under_hf(model, prompt, out.outputs[0].token_ids)
+        assert [c.token_ids for c in out.outputs] == [out.outputs[0].token_ids] * 4
+        assert_nothing_leaks(engine_llm)
+    # Seeded sampling: sample i of a request seeded s draws as a lone request seeded
+    # sibling_seed(s, i) does (its own stream, from the same prompt state).
     prompt = random_ids(rng, 90)
-    (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(n=4))
-    assert_greedy_under_hf(model, prompt, out.outputs[0].token_ids[:HF_TOKENS])
-    assert [c.token_ids for c in out.outputs] == [out.outputs[0].token_ids] * 4
-    stats = llm.stats()
-    # The prompt's block-aligned part is computed once; each sample feeds only the rest.
-    aligned = (len(prompt) - 1) // BLOCK * BLOCK
-    assert stats["prefill_tokens"] == len(prompt) + 3 * (len(prompt) - aligned)
     seeded = llm.generate(
         prompt_token_ids=[prompt],
         sampling_params=SamplingParams(n=4, max_tokens=NEW, temperature=1.0, seed=3),
     )[0]
-    alone = make_llm(path, enable_prefix_caching=False).generate(
-        prompt_token_ids=[prompt],
-        sampling_params=SamplingParams(n=4, max_tokens=NEW, temperature=1.0, seed=3),
-    )[0]
-    assert [c.token_ids for c in seeded.outputs] == [c.token_ids for c in alone.outputs]
+    alone = [
+        one_by_one(llm_off, [prompt], SamplingParams(max_tokens=NEW, temperature=1.0,
+                                                     seed=sibling_seed(3, i)))[0]
+        for i in range(4)
+    ]  # fmt: skip
+    got = [c.token_ids for c in seeded.outputs]
+    assert got == tokens(alone)
+    assert len({tuple(t) for t in got}) > 1  # the samples did draw differently
+    # The repetition penalty reads every prompt token: the forks get sample 0's prompt mask.
+    penalised = greedy(repetition_penalty=1.5)
+    before = llm.stats()
+    (out,) = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=greedy(n=2, repetition_penalty=1.5)
+    )
+    assert since(llm, before)["prefill_tokens"] == len(prompt)
+    expected = one_by_one(llm_off, [prompt], penalised)[0].outputs[0].token_ids
+    assert [c.token_ids for c in out.outputs] == [expected] * 2
+    with torch.no_grad():
+        hf = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=NEW,
+            repetition_penalty=1.5,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+    assert expected == hf
     assert_nothing_leaks(llm)
+    assert_nothing_leaks(llm_off)
 
 
 # -- the metadata: several checkpoints per row ------------------------------------------------
