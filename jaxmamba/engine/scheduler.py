@@ -278,6 +278,9 @@ class Scheduler:
                 floor = lead.num_computed - lead.num_computed % b
                 theirs = lead.prompt_token_ids[: lead.prompt_len - 1]
                 d = aligned_common_prefix(mine, theirs, b, floor)
+                planned = lead.branch_len if lead.branch_len > lead.num_computed else 0
+                if planned:  # it checkpoints there already (a partial hit): wait for that one
+                    d = planned if d >= planned else 0
                 if d > lead.num_computed and d > depth:
                     best, depth = lead, d
             if best is None or self.prefix_cache.match(mine, len(mine)).length >= depth:
@@ -493,7 +496,8 @@ class Scheduler:
             n = min(budget, req.prompt_len - req.num_computed)
             row = self._schedule_tokens(req, n, from_device=False)
             prefill.append(row)
-            if row.samples and req.params.n > 1 and req.num_scheduled_outputs == 1:
+            prompt_ends = row.samples and req.num_scheduled_outputs == 1
+            if prompt_ends and req.index == 0 and req.params.n > 1:
                 self._prompts_ending.add(id(req))
                 prefill.extend(self._fork_samples(req, row, max_prefill - len(prefill)))
             return n
