@@ -5,6 +5,7 @@ multi-checkpoint metadata against a float64 numpy recurrence."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -416,10 +417,6 @@ def test_multi_checkpoint_states_equal_a_float64_recurrence():
     total = sum(n for _, n, _ in layout)
     inputs = builder.build(rows, Bucket(total + 5, len(rows), 0))
     assert inputs.track_slots.shape == (len(rows), MAX_PREFILL_CHECKPOINTS)
-    meta = ForwardMetadata.build(
-        inputs, num_decode=0, chunk_size=c, page_size=c, pad_page=spec.pad_page,
-        pad_slot=spec.pad_slot,
-    ).prefill  # fmt: skip
     T = total + 5
     x = rng.standard_normal((T, H, P)).astype(np.float32)
     dt = rng.standard_normal((T, H)).astype(np.float32)
@@ -429,17 +426,29 @@ def test_multi_checkpoint_states_equal_a_float64_recurrence():
     dt_bias = rng.standard_normal(H).astype(np.float32) * 0.3
     init = rng.standard_normal((len(rows), H, P, N)).astype(np.float32)
     init[[0, 3]] = 0  # rows without a prefix start from zeros
-    _, _, tracked = ssd_varlen(
-        x, dt, A, B, C, meta.cu_seqlens, chunk_size=c, dt_bias=dt_bias, initial_states=init,
-        start_positions=meta.start_positions, layout=meta.layout,
-        state_chunks=meta.track_chunks, impl="ref",
-    )  # fmt: skip
     xbc = rng.standard_normal((T, D)).astype(np.float32)
     conv_init = rng.standard_normal((len(rows), K - 1, D)).astype(np.float32)
-    windows = windows_at(xbc, conv_init, meta.cu_seqlens, meta.track_rows, meta.track_ends, K - 1)
+
+    @jax.jit  # one compile, not one per op
+    def checkpoints(inputs, x, dt, A, B, C, dt_bias, init, xbc, conv_init):
+        meta = ForwardMetadata.build(
+            inputs, num_decode=0, chunk_size=c, page_size=c, pad_page=spec.pad_page,
+            pad_slot=spec.pad_slot,
+        ).prefill  # fmt: skip
+        _, _, tracked = ssd_varlen(
+            x, dt, A, B, C, meta.cu_seqlens, chunk_size=c, dt_bias=dt_bias, initial_states=init,
+            start_positions=meta.start_positions, layout=meta.layout,
+            state_chunks=meta.track_chunks, impl="ref",
+        )  # fmt: skip
+        windows = windows_at(
+            xbc, conv_init, meta.cu_seqlens, meta.track_rows, meta.track_ends, K - 1
+        )
+        return tracked, windows, meta.track_slots, meta.cu_seqlens
+
+    tracked, windows, slots, cu = checkpoints(inputs, x, dt, A, B, C, dt_bias, init, xbc,
+                                              conv_init)  # fmt: skip
     tracked, windows = np.asarray(tracked), np.asarray(windows)
-    slots = np.asarray(meta.track_slots)
-    cu = np.asarray(meta.cu_seqlens)
+    slots, cu = np.asarray(slots), np.asarray(cu)
     checked = 0
     for i, (prefix, n, lengths) in enumerate(layout):
         start = cu[i]
