@@ -29,11 +29,29 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba import LLM, ModelConfig, SamplingParams
 from jaxmamba.llm import DTYPES
-from jaxmamba.model.params import init_params
+from jaxmamba.model.params import init_params, param_shapes
+
+
+def fast_random_params(cfg, dtype, seed: int = 0):
+    """Random weights without tracing the model's init (which takes ~70 s on the 9B): normal
+    with std 0.02, norm weights 1; one small RNG program per distinct shape."""
+    shapes = param_shapes(cfg, dtype)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    draw = jax.jit(lambda key, shape, dt: jax.random.normal(key, shape, dt) * 0.02,
+                   static_argnums=(1, 2))  # fmt: skip
+    out = []
+    for key, (path, leaf) in zip(keys, leaves, strict=True):
+        if "norm" in jax.tree_util.keystr(path).lower():
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        else:
+            out.append(draw(key, leaf.shape, leaf.dtype))
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 def timed(llm, prompts, sp):
@@ -69,6 +87,7 @@ def main() -> None:
     p.add_argument("--decode-buckets", type=int, nargs="+", default=None)
     p.add_argument("--token-buckets", type=int, nargs="+", default=None)
     p.add_argument("--precompile", action="store_true", help="compile every bucket up front")
+    p.add_argument("--fast-init", action="store_true", help="fast_random_params, not init_params")
     p.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
@@ -78,7 +97,8 @@ def main() -> None:
     args = p.parse_args()
     cfg = ModelConfig.load(args.model)
     dtype = DTYPES[args.dtype]
-    params = jax.block_until_ready(init_params(cfg, dtype, seed=0))
+    init = fast_random_params if args.fast_init else init_params
+    params = jax.block_until_ready(init(cfg, dtype, seed=0))
     seqs = args.max_num_seqs or args.requests
     max_len = args.system_len + args.suffix_len + args.max_tokens + 16
     pages = 2 * seqs * -(-max_len // 16)
