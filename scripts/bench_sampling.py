@@ -8,6 +8,9 @@ of the older tables (greedy, temperature, top-k 50, top-p 0.9, min-p 0.05): one 
 the mixes should cost the same. Beside it, the top-20 logprobs alone, one `lax.top_k` against
 the two-stage `top_k_blocked` for several blocks, and one full sort.
 
+`--many-kernel-probe N`: the same question for a program of N kernels (an engine step has
+~800), ten calls queued: the time per call with the `lax.cond` against the `jnp.where`.
+
 `--cond-probe`: a program of ~10 ms of matmuls, then a `lax.cond` on a device value (or the
 same choice as a `jnp.where`, or the engine's prompt-logprobs cond); how long the call takes
 to return (dispatch) against the program's time, and ten calls queued back to back. The
@@ -154,16 +157,58 @@ def cond_probe() -> dict:
     return out
 
 
+def many_kernel_probe(num_kernels: int = 400) -> dict:
+    """A program of `num_kernels` separate elementwise kernels (~10 µs each on the device),
+    ending in a `lax.cond` on a device value or the same choice as a `jnp.where`; ten calls
+    queued back to back. If the host waits for the predicate, the next call's launches are no
+    longer hidden behind the device's work and the cond version takes longer per call."""
+    x = jnp.linspace(-1.0, 1.0, 1 << 22, dtype=jnp.float32)
+
+    def body(x):
+        for _ in range(num_kernels):
+            x = jax.lax.optimization_barrier(x * 1.0001 + 1e-4)  # one kernel each
+        return x
+
+    def with_cond(x):
+        y = body(x)
+        return jax.lax.cond(y[0] > 0, lambda v: v * 0.5, lambda v: v * 0.25, y)
+
+    def with_where(x):
+        y = body(x)
+        return jnp.where(y[0] > 0, y * 0.5, y * 0.25)
+
+    out = {"num_kernels": num_kernels}
+    for name, fn in (("cond", jax.jit(with_cond)), ("where", jax.jit(with_where))):
+        jax.block_until_ready(fn(x))
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            y = x
+            for _ in range(10):
+                y = fn(y)
+            jax.block_until_ready(y)
+            runs.append((time.perf_counter() - start) * 1e3 / 10)
+        out[name + "_ms_per_call"] = float(np.median(runs))
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--vocab", type=int, default=131072)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128, 256])
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 32, 128, 256])
     p.add_argument("--cond-probe", action="store_true")
+    p.add_argument("--many-kernel-probe", type=int, default=0, help="kernels; 0: skip")
     p.add_argument("--out", default="")
     args = p.parse_args()
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if args.cond_probe:
         record["cond_probe"] = cond_probe()
+    if args.many_kernel_probe:
+        record["many_kernel_probe"] = many_kernel_probe(args.many_kernel_probe)
+        if not args.batch:
+            print(json.dumps(record))
+            return
     record["sampler"] = rows = bench_sampler(args.vocab, args.batch)
     if args.out:
         with open(args.out, "w") as f:
