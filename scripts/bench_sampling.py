@@ -116,22 +116,23 @@ def cond_probe() -> dict:
         y = heavy(x)
         return jnp.where(jnp.sum(y[0].astype(jnp.float32)) > 0, y * 2, y * 3)
 
-    from jaxmamba.engine.runner import score_prompt_tokens
+    from jaxmamba.engine.runner import prompt_tokens_to_score, score_prompt_tokens
 
     lm_head = jax.random.normal(key, (4480, 131072), jnp.bfloat16) * 0.02
     targets = jnp.where(jnp.arange(256) % 2 == 0, jnp.arange(256), -1)
 
-    def with_prompt_logprobs(x):  # the engine step's lax.cond, after the same work
+    def with_prompt_logprobs(x):  # the engine step's prompt scoring, after the same work
         y = heavy(x)
-        logits_of = lambda h: jnp.dot(h, lm_head, preferred_element_type=jnp.float32)  # noqa: E731
-        scored = score_prompt_tokens(logits_of, y[:256, :4480], targets)
+        positions, asked = prompt_tokens_to_score(targets, 0)
+        logits = jnp.dot(y[positions, :4480], lm_head, preferred_element_type=jnp.float32)
+        scored = score_prompt_tokens(logits, positions, asked, targets.shape[0])
         return y.at[0, 0].add(scored[0, 0].astype(y.dtype))
 
     out = {}
     probes = (
         ("cond", jax.jit(with_cond)),
         ("where", jax.jit(with_where)),
-        ("prompt_logprobs_cond", jax.jit(with_prompt_logprobs)),
+        ("prompt_logprobs", jax.jit(with_prompt_logprobs)),
     )
     for name, fn in probes:
         jax.block_until_ready(fn(x))

@@ -76,10 +76,6 @@ def test_decode_step_has_no_device_branch(runner):
     assert not {"cond", "switch"} & step_primitives(runner, Bucket(4, 4, 4))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner.score_prompt_tokens puts prompt_logprobs under lax.cond in every prefill step",
-)
 def test_prefill_step_has_no_device_branch(runner):
     assert "cond" not in step_primitives(runner, Bucket(32, 4, 2))
 

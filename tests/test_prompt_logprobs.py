@@ -101,3 +101,30 @@ def test_decoded_token_of_special_tokens_is_their_text_as_vllm_decodes(setup):
     assert completion.text == ""  # skipped in the text, as the request asks
     assert completion.logprobs[0][eos].decoded_token == hf.decode([eos]) == "</s>"
     assert out.prompt_logprobs[1][1].decoded_token == hf.decode([1]) == "<s>"
+
+
+def test_prompt_logprobs_past_the_per_step_cap_are_all_scored(setup, monkeypatch):
+    """A step scores at most MAX_PROMPT_LOGPROB_TOKENS prompt tokens: with a cap of 6 (below
+    the 16-token step budget) the scheduler splits the scoring requests' chunks, the step
+    scores exactly its cap, and every prompt position still matches HF."""
+    from jaxmamba.engine import runner, scheduler
+
+    path, model, _ = setup
+    monkeypatch.setattr(runner, "MAX_PROMPT_LOGPROB_TOKENS", 6)
+    monkeypatch.setattr(scheduler, "MAX_PROMPT_LOGPROB_TOKENS", 6)
+    # Another max_num_seqs: new step shapes, so the steps are traced with the patched cap.
+    llm = LLM(str(path), dtype="float32", max_num_seqs=3, max_model_len=64,
+              max_num_batched_tokens=16)  # fmt: skip
+    rng = np.random.default_rng(2)
+    prompts = [[1, *rng.integers(4, 97, n - 1).tolist()] for n in (29, 17, 33)]
+    params = [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=K),
+              SamplingParams(max_tokens=3, temperature=0.0),
+              SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=K)]  # fmt: skip
+    outs = generate(llm, prompts, params)
+    check_against_hf(model, prompts[0], outs[0].prompt_logprobs, K)
+    check_against_hf(model, prompts[2], outs[2].prompt_logprobs, K)
+    assert outs[1].prompt_logprobs is None
+    with torch.no_grad():  # the greedy tokens are unchanged by the split chunks
+        for prompt, out in zip(prompts, outs, strict=True):
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+            assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import CacheSpec, StateCache, cache_shapes, init_cache
-from jaxmamba.model.metadata import ForwardMetadata, StepInputs
+from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS, ForwardMetadata, StepInputs
 from jaxmamba.model.sampling import (
     MAX_LOGPROBS,
     Penalties,
@@ -104,7 +104,16 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     meta = build_metadata(model, spec, inputs, num_decode)
     input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
     hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
-    logits = model.apply({"params": params}, hidden[meta.last_token_index], method="logits")
+    num_rows = inputs.state_slots.shape[0]
+    targets = inputs.prompt_logprob_targets
+    scoring = targets is not None and num_rows > num_decode  # the bucket has prefill rows
+    rows_hidden = hidden[meta.last_token_index]
+    if scoring:
+        positions, asked_targets = prompt_tokens_to_score(targets, num_decode)
+        rows_hidden = jnp.concatenate([rows_hidden, hidden[positions]])
+    logits = model.apply({"params": params}, rows_hidden, method="logits")
+    if scoring:
+        logits, scored_logits = logits[:num_rows], logits[num_rows:]
     slots = inputs.state_slots
     seen = record_tokens(
         slot_state.penalties, input_ids, meta.token_rows, meta.token_valid, slots,
@@ -127,43 +136,44 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     )  # fmt: skip
     last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
     packed = pack_sample_output(out)
-    targets = inputs.prompt_logprob_targets
-    if targets is not None and slots.shape[0] > num_decode:  # the bucket has prefill rows
-        logits_of = lambda h: model.apply({"params": params}, h, method="logits")  # noqa: E731
-        scored = score_prompt_tokens(logits_of, hidden[num_decode:], targets[num_decode:])
+    if scoring:
+        num_prefill_tokens = targets.shape[0] - num_decode
+        scored = score_prompt_tokens(scored_logits, positions - num_decode, asked_targets,
+                                     num_prefill_tokens)  # fmt: skip
         packed = jnp.concatenate([packed, scored], axis=0)
     return packed, cache, SlotState(last_tokens, seen)
 
 
-# Prompt tokens scored at once: bounds the f32 [block, V] logits prompt_logprobs needs.
-PROMPT_LOGPROBS_BLOCK = 256
+def prompt_tokens_to_score(
+    targets: jax.Array,  # i32[T] next prompt token where prompt_logprobs is asked, else -1
+    num_decode: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The step positions of the prefill tokens that ask for prompt_logprobs — a fixed
+    `min(prefill tokens, MAX_PROMPT_LOGPROB_TOKENS)` of them, the scheduler keeps the count
+    within it — and their targets; -1 targets mark the padding (at position `num_decode`)."""
+    prefill = targets[num_decode:]
+    width = min(prefill.shape[0], MAX_PROMPT_LOGPROB_TOKENS)
+    (index,) = jnp.nonzero(prefill >= 0, size=width, fill_value=-1)
+    asked = index >= 0
+    index = jnp.where(asked, index, 0)
+    return num_decode + index, jnp.where(asked, prefill[index], -1)
 
 
-def score_prompt_tokens(logits_of, hidden: jax.Array, targets: jax.Array) -> jax.Array:
-    """`i32[T, 3 + 2 * MAX_LOGPROBS]`, packed as the samples are, per prefill token: the next
-    prompt token (`targets`), its logprob and rank, the top ids and logprobs. Under
-    `lax.cond` on whether any token asks (`targets >= 0`): otherwise zeros, and no logits
-    are computed. Blocks of PROMPT_LOGPROBS_BLOCK tokens go through `lax.map`."""
-    num_tokens = hidden.shape[0]  # hidden: [T, E]
-    block = min(num_tokens, PROMPT_LOGPROBS_BLOCK)
-    num_blocks = -(-num_tokens // block)
-    pad = num_blocks * block - num_tokens
-
-    def score(h):
-        h = jnp.pad(h, ((0, pad), (0, 0))).reshape(num_blocks, block, -1)
-        t = jnp.pad(targets, (0, pad), constant_values=-1).reshape(num_blocks, block)
-
-        def one(args):
-            hb, tb = args
-            p = prompt_logprobs(logits_of(hb), tb)
-            return pack_sample_output(SampleOutput(tb, p.logprobs, p.ranks, p.top_ids,
-                                                   p.top_logprobs))  # fmt: skip
-
-        return jax.lax.map(one, (h, t)).reshape(num_blocks * block, -1)[:num_tokens]
-
-    shape = jax.eval_shape(score, hidden).shape
-    nothing = lambda h: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    return jax.lax.cond(jnp.any(targets >= 0), score, nothing, hidden)
+def score_prompt_tokens(
+    logits: jax.Array,  # f32[W, V] at the tokens prompt_tokens_to_score chose
+    index: jax.Array,  # i32[W] their positions among the step's prefill tokens
+    targets: jax.Array,  # i32[W] the prompt token after each (-1: padding)
+    num_prefill_tokens: int,
+) -> jax.Array:
+    """`i32[num_prefill_tokens, 3 + 2 * MAX_LOGPROBS]`, packed as the samples are, per
+    prefill token: the next prompt token, its logprob and rank, the top ids and logprobs
+    (zeros at tokens that do not ask)."""
+    p = prompt_logprobs(logits, targets)
+    rows = pack_sample_output(SampleOutput(targets, p.logprobs, p.ranks, p.top_ids,
+                                           p.top_logprobs))  # fmt: skip
+    index = jnp.where(targets >= 0, index, num_prefill_tokens)  # padding: dropped
+    out = jnp.zeros((num_prefill_tokens, rows.shape[1]), jnp.int32)
+    return out.at[index].set(rows, mode="drop")
 
 
 def unpack_prompt_logprobs(packed: np.ndarray, num_rows: int) -> HostSample | None:

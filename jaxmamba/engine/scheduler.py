@@ -40,7 +40,12 @@ from jaxmamba.engine.batch import Bucket, RowSpec, pow2_buckets, smallest_fittin
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.prefix_cache import PrefixCache
 from jaxmamba.engine.request import Request
-from jaxmamba.model.metadata import MAX_DECODE_CHECKPOINTS, MAX_FORKS, MAX_PREFILL_CHECKPOINTS
+from jaxmamba.model.metadata import (
+    MAX_DECODE_CHECKPOINTS,
+    MAX_FORKS,
+    MAX_PREFILL_CHECKPOINTS,
+    MAX_PROMPT_LOGPROB_TOKENS,
+)
 
 
 @dataclass
@@ -414,10 +419,14 @@ class Scheduler:
         )
 
     @staticmethod
-    def _prompt_logprob_targets(req: Request, tokens: list[int], from_device: bool):
+    def _scores_prompt(req: Request) -> bool:
+        """Whether the request's prefill tokens are scored for prompt_logprobs (sample 0)."""
+        return req.params.prompt_logprobs is not None and req.index == 0
+
+    def _prompt_logprob_targets(self, req: Request, tokens: list[int], from_device: bool):
         """The prompt token after each of a prefill chunk's tokens (sample 0 of a request
         with prompt_logprobs only; shorter at the prompt's end), else None."""
-        if from_device or req.params.prompt_logprobs is None or req.index != 0:
+        if from_device or not self._scores_prompt(req):
             return None
         start = req.num_computed + 1
         return req.prompt_token_ids[start : start + len(tokens)]
@@ -491,9 +500,14 @@ class Scheduler:
         self._forks_left = MAX_FORKS
         self._prompts_ending: set[int] = set()  # requests whose prompt ends in this step
         prefill: list[ScheduledRow] = []
+        scored_left = MAX_PROMPT_LOGPROB_TOKENS  # prompt tokens this step scores
 
         def feed(req: Request) -> int:
+            nonlocal scored_left
             n = min(budget, req.prompt_len - req.num_computed)
+            if self._scores_prompt(req):
+                n = min(n, scored_left)
+                scored_left -= n
             row = self._schedule_tokens(req, n, from_device=False)
             prefill.append(row)
             prompt_ends = row.samples and req.num_scheduled_outputs == 1
@@ -507,12 +521,16 @@ class Scheduler:
         for req in [r for r in self.running if r.in_prefill and not r.finished]:
             if budget <= 0 or len(prefill) >= max_prefill:
                 break
+            if self._scores_prompt(req) and scored_left == 0:
+                continue
             budget -= feed(req)
         for req in list(self.waiting):
             if budget <= 0 or len(prefill) >= max_prefill or len(self.running) >= cfg.max_num_seqs:
                 break
             if req.slot is not None or self._sibling_held(req):
                 continue  # forked above, or waiting for sample 0
+            if self._scores_prompt(req) and scored_left == 0:
+                continue  # admitted once a step has prompt tokens to score left
             if self.pending_branches and self._held(req):
                 if not req.was_held:
                     self._save(req)

@@ -103,6 +103,12 @@ MAX_DECODE_CHECKPOINTS = 8
 # more chunk-boundary state written and the conv a K-1 row gather, so the bound stays small.
 MAX_PREFILL_CHECKPOINTS = 2
 
+# A step scores at most this many prompt tokens for prompt_logprobs (the scheduler caps a
+# request's chunk to it). Their logits share the step's one lm_head matmul with the rows'
+# last tokens; at decode-like M the matmul streams the weights once, so every prefill step
+# scores a fixed block, with no device branch (a lax.cond makes XLA:GPU wait on the host).
+MAX_PROMPT_LOGPROB_TOKENS = 128
+
 
 # A step forks at most this many sample slots off the prompts it finishes (n > 1: sample 0
 # prefills, samples 1..n-1 take copies of its end state). Every prefill/mixed step copies this
