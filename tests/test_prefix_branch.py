@@ -280,7 +280,7 @@ def test_eviction_pressure_gives_every_slot_and_page_back(hf_model, llm_off, llm
     # 12 slots (6 for running requests, 6 for checkpoints) and 240 pages: 15 prompts from 4
     # families and 3 loners, each family's three sent together, overflow both.
     rng = np.random.default_rng(5)
-    families = [shared_prompts(10 + f, n=3, shared=int(rng.integers(40, 120)), own=(70, 110))
+    families = [shared_prompts(10 + f, n=3, shared=int(rng.integers(48, 120)), own=(30, 70))
                 for f in range(4)]  # fmt: skip
     loners = [random_ids(rng, 250) for _ in range(3)]
     outs = []

@@ -505,6 +505,10 @@ class Scheduler:
         def feed(req: Request) -> int:
             nonlocal scored_left
             n = min(budget, req.prompt_len - req.num_computed)
+            if id(req) in self.pending_branches and req.num_computed < req.branch_len:
+                # Others wait for its branch point: the chunk ends there, so the step they
+                # wait for is no longer than it must be (the rest comes with theirs).
+                n = min(n, req.branch_len - req.num_computed)
             if self._scores_prompt(req):
                 n = min(n, scored_left)
                 scored_left -= n
