@@ -4,14 +4,11 @@ each head), then a SwiGLU MLP, each pre-norm residual — two of our layers. HF:
 
 from __future__ import annotations
 
-import math
-
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.families import Family, common
 
 
 def from_hf(c: dict, name: str) -> ModelConfig:
-    get = common.get
     common.require(c, "hidden_act", ("silu",), "silu")
     num_layers = c.get("num_hidden_layers", 32)
     attn = set(c.get("attn_layer_indices") or ())
@@ -23,21 +20,12 @@ def from_hf(c: dict, name: str) -> ModelConfig:
     mixers = ["attention" if i in attn else "mamba" for i in range(num_layers)]
     hidden = c.get("hidden_size", 4096)
     num_heads = c.get("num_attention_heads", 32)
-    mamba_heads = c.get("mamba_n_heads", 128)
     d_inner = c.get("mamba_expand", 2) * hidden
-    mamba_head_dim = c.get("mamba_d_head", "auto")
-    if mamba_head_dim == "auto":
-        mamba_head_dim = d_inner // mamba_heads
-    if mamba_head_dim * mamba_heads != d_inner:
-        raise ValueError(
-            f"HF config mamba_d_head*mamba_n_heads={mamba_head_dim}*{mamba_heads} != "
-            f"mamba_expand*hidden_size={d_inner}"
-        )
+    mamba = common.mamba_prefixed_fields(c, d_inner, f"mamba_expand*hidden_size={d_inner}")
     # BambaAttention has no head_dim field: heads are hidden_size / num_attention_heads, and
     # BambaConfig hard-codes partial_rotary_factor 0.5.
     head_dim = hidden // num_heads
     theta, rope_dim = common.rope(c, head_dim, partial_rotary_factor=0.5)
-    limit = get(c, "time_step_limit", default=(0.0, math.inf))
     return ModelConfig(
         model_type="bamba",
         vocab_size=c.get("vocab_size", 128000),
@@ -45,28 +33,15 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         layer_types=common.paired_layer_types(mixers, "mlp"),
         norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        mamba_num_heads=mamba_heads,
-        mamba_head_dim=mamba_head_dim,
-        n_groups=c.get("mamba_n_groups", 1),
-        ssm_state_size=c.get("mamba_d_state", 256),
-        conv_kernel=c.get("mamba_d_conv", 4),
-        chunk_size=c.get("mamba_chunk_size", 256),
-        use_conv_bias=bool(c.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(c.get("mamba_proj_bias", False)),
-        time_step_limit=tuple(common.as_float(v) for v in limit),
+        **mamba,
         residual_in_fp32=True,
-        num_attention_heads=num_heads,
-        num_key_value_heads=get(c, "num_key_value_heads", default=num_heads),
-        head_dim=head_dim,
-        attention_bias=bool(c.get("attention_bias", False)),
+        **common.attention_fields(c, num_heads, head_dim),
         intermediate_size=c.get("intermediate_size", 14336),
         mlp_bias=bool(c.get("mlp_bias", False)),
         mlp_activation="silu_glu",
         rope_theta=theta,
         rope_dim=rope_dim,
-        bos_token_id=common.token_id(c, "bos_token_id", 1),
-        eos_token_id=common.token_id(c, "eos_token_id", 2),
-        pad_token_id=common.token_id(c, "pad_token_id", 0),
+        **common.special_token_ids(c, bos=1, eos=2, pad=0),
         name=name,
     )
 

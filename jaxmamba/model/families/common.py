@@ -66,6 +66,84 @@ def refuse(config: dict, key: str, allowed: tuple = (None,)) -> None:
     require(config, key, allowed, None)
 
 
+def finite_multiplier(config: dict, key: str) -> float:
+    """`config[key]` (default 1) as a float, raising unless it is finite."""
+    value = as_float(config.get(key, 1.0))
+    if not math.isfinite(value):
+        raise ValueError(f"HF config {key}={value!r} is invalid: expected a finite float")
+    return value
+
+
+def time_step_limit(config: dict) -> tuple[float, float]:
+    """The `(min, max)` clamp of dt (default none: `(0, inf)`)."""
+    return tuple(as_float(v) for v in get(config, "time_step_limit", default=(0.0, math.inf)))
+
+
+def special_token_ids(config: dict, *, bos: int | None, eos: int | None, pad: int | None) -> dict:
+    """`ModelConfig`'s bos/eos/pad ids, with the family's defaults."""
+    return dict(
+        bos_token_id=token_id(config, "bos_token_id", bos),
+        eos_token_id=token_id(config, "eos_token_id", eos),
+        pad_token_id=token_id(config, "pad_token_id", pad),
+    )
+
+
+def attention_fields(config: dict, num_heads: int, head_dim: int) -> dict:
+    """`ModelConfig`'s attention fields; `num_key_value_heads` defaults to `num_heads`."""
+    return dict(
+        num_attention_heads=num_heads,
+        num_key_value_heads=get(config, "num_key_value_heads", default=num_heads),
+        head_dim=head_dim,
+        attention_bias=bool(config.get("attention_bias", False)),
+    )
+
+
+def mamba_prefixed_fields(config: dict, d_inner: int, d_inner_name: str) -> dict:
+    """`ModelConfig`'s Mamba2 fields from the `mamba_*` keys that bamba, granitemoehybrid and
+    falcon_h1 share; `mamba_d_head` "auto" is `d_inner / mamba_n_heads`. `d_inner_name` says
+    where `d_inner` came from, for the error."""
+    heads = config.get("mamba_n_heads", 128)
+    head_dim = config.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = d_inner // heads
+    if head_dim * heads != d_inner:
+        raise ValueError(
+            f"HF config mamba_d_head*mamba_n_heads={head_dim}*{heads} != {d_inner_name}"
+        )
+    return dict(
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        n_groups=config.get("mamba_n_groups", 1),
+        ssm_state_size=config.get("mamba_d_state", 256),
+        conv_kernel=config.get("mamba_d_conv", 4),
+        chunk_size=config.get("mamba_chunk_size", 256),
+        use_conv_bias=bool(config.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(config.get("mamba_proj_bias", False)),
+        time_step_limit=time_step_limit(config),
+    )
+
+
+def mamba2_hf_keys(cfg: ModelConfig) -> dict:
+    """The config.json keys nemotron_h and mamba2 spell alike (writing checkpoints)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "n_groups": cfg.n_groups,
+        "conv_kernel": cfg.conv_kernel,
+        "chunk_size": cfg.chunk_size,
+        "use_conv_bias": cfg.use_conv_bias,
+        "use_bias": cfg.mamba_proj_bias,
+        "residual_in_fp32": cfg.residual_in_fp32,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": (
+            list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_id
+        ),
+        "pad_token_id": cfg.pad_token_id,
+    }
+
+
 def rope(config: dict, head_dim: int, *, partial_rotary_factor: float = 1.0) -> tuple[float, int]:
     """`(rope_theta, rotated dims per head)` from `rope_parameters` (or the legacy top-level
     keys); only the default RoPE type (no scaling) is implemented."""
@@ -256,13 +334,6 @@ def fused_glu_mlp(
 
 def is_base(entry: Entry) -> bool:
     return entry.path[0] != "lm_head"
-
-
-def check_finite_multiplier(name: str, value: Any) -> float:
-    value = as_float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"HF config {name}={value!r} is invalid: expected a finite float")
-    return value
 
 
 def two_block_layers(

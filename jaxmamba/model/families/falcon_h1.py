@@ -9,8 +9,6 @@ lm_head_multiplier are applied at run time."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from jaxmamba.config import ModelConfig
@@ -21,23 +19,14 @@ _FLOAT_MULTIPLIERS = ("ssm_in_multiplier", "ssm_out_multiplier", "attention_in_m
 
 
 def from_hf(c: dict, name: str) -> ModelConfig:
-    get = common.get
     common.require(c, "hidden_act", ("silu",), "silu")
     hidden = c.get("hidden_size", 4096)
     num_layers = c.get("num_hidden_layers", 32)
     num_heads = c.get("num_attention_heads", 32)
     head_dim = c.get("head_dim") or hidden // num_heads
-    mamba_heads = c.get("mamba_n_heads", 128)
     d_inner = c.get("mamba_d_ssm") or c.get("mamba_expand", 2) * hidden
-    mamba_head_dim = c.get("mamba_d_head", "auto")
-    if mamba_head_dim == "auto":
-        mamba_head_dim = d_inner // mamba_heads
-    if mamba_head_dim * mamba_heads != d_inner:
-        raise ValueError(
-            f"HF config mamba_d_head*mamba_n_heads={mamba_head_dim}*{mamba_heads} != "
-            f"mamba intermediate size {d_inner}"
-        )
-    proj_bias = bool(c.get("mamba_proj_bias", False))
+    mamba = common.mamba_prefixed_fields(c, d_inner, f"mamba intermediate size {d_inner}")
+    proj_bias = mamba["mamba_proj_bias"]
     if bool(c.get("projectors_bias", False)) != proj_bias:
         raise ValueError(
             f"HF config projectors_bias={c.get('projectors_bias')!r} is unsupported: only equal "
@@ -47,9 +36,8 @@ def from_hf(c: dict, name: str) -> ModelConfig:
     if rms_norm:
         common.require(c, "mamba_norm_before_gate", (False,), True)
     theta, rope_dim = common.rope(c, head_dim)
-    limit = get(c, "time_step_limit", default=(0.0, math.inf))
-    for key in (*_FLOAT_MULTIPLIERS, "embedding_multiplier", "lm_head_multiplier"):
-        common.check_finite_multiplier(key, c.get(key, 1.0))
+    scalars = (*_FLOAT_MULTIPLIERS, "embedding_multiplier", "lm_head_multiplier")
+    mult = {k: common.finite_multiplier(c, k) for k in scalars}
     for key, n in (("mlp_multipliers", 2), ("ssm_multipliers", 5)):
         value = c.get(key)
         if value is not None and (not isinstance(value, list | tuple) or len(value) != n):
@@ -61,36 +49,23 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         layer_types=common.paired_layer_types(["parallel"] * num_layers, "mlp"),
         norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        mamba_num_heads=mamba_heads,
-        mamba_head_dim=mamba_head_dim,
-        n_groups=c.get("mamba_n_groups", 1),
-        ssm_state_size=c.get("mamba_d_state", 256),
-        conv_kernel=c.get("mamba_d_conv", 4),
-        chunk_size=c.get("mamba_chunk_size", 256),
-        use_conv_bias=bool(c.get("mamba_conv_bias", True)),
-        mamba_proj_bias=proj_bias,
+        **mamba,
         mamba_rms_norm=rms_norm,
-        time_step_limit=tuple(common.as_float(v) for v in limit),
         residual_in_fp32=True,
-        num_attention_heads=num_heads,
-        num_key_value_heads=get(c, "num_key_value_heads", default=num_heads),
-        head_dim=head_dim,
-        attention_bias=bool(c.get("attention_bias", False)),
+        **common.attention_fields(c, num_heads, head_dim),
         intermediate_size=c.get("intermediate_size", 14336),
         mlp_bias=bool(c.get("mlp_bias", False)),
         mlp_activation="silu_glu",
         rope_theta=theta,
         rope_dim=rope_dim,
         weight_multipliers=(
-            *((k, (common.as_float(c.get(k, 1.0)),)) for k in _FLOAT_MULTIPLIERS),
+            *((k, (mult[k],)) for k in _FLOAT_MULTIPLIERS),
             ("mlp_multipliers", tuple(c.get("mlp_multipliers") or (1.0, 1.0))),
             ("ssm_multipliers", tuple(c.get("ssm_multipliers") or (1.0,) * 5)),
         ),
-        embedding_multiplier=common.as_float(c.get("embedding_multiplier", 1.0)),
-        logits_multiplier=common.as_float(c.get("lm_head_multiplier", 1.0)),
-        bos_token_id=common.token_id(c, "bos_token_id", 1),
-        eos_token_id=common.token_id(c, "eos_token_id", 2),
-        pad_token_id=common.token_id(c, "pad_token_id", 0),
+        embedding_multiplier=mult["embedding_multiplier"],
+        logits_multiplier=mult["lm_head_multiplier"],
+        **common.special_token_ids(c, bos=1, eos=2, pad=0),
         name=name,
     )
 

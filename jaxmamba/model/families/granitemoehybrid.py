@@ -6,8 +6,6 @@ when `num_local_experts` is 0. Embedding, residual and logits multipliers (µP).
 
 from __future__ import annotations
 
-import math
-
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.families import Family, common
 
@@ -16,7 +14,6 @@ _MIXERS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attentio
 
 
 def from_hf(c: dict, name: str) -> ModelConfig:
-    get = common.get
     common.require(c, "hidden_act", ("silu",), "silu")
     raw = c.get("layer_types") or c.get("layers_block_type")
     if raw is None:
@@ -35,18 +32,9 @@ def from_hf(c: dict, name: str) -> ModelConfig:
     head_dim = hidden // num_heads  # GraniteMoeHybridAttention: hidden / heads
     pos = c.get("position_embedding_type")
     theta, rope_dim = common.rope(c, head_dim) if pos == "rope" else (0.0, 0)
-    mamba_heads = c.get("mamba_n_heads", 128)
     d_inner = c.get("mamba_expand", 2) * hidden
-    mamba_head_dim = c.get("mamba_d_head", "auto")
-    if mamba_head_dim == "auto":
-        mamba_head_dim = d_inner // mamba_heads
-    if mamba_head_dim * mamba_heads != d_inner:
-        raise ValueError(
-            f"HF config mamba_d_head*mamba_n_heads={mamba_head_dim}*{mamba_heads} != "
-            f"mamba_expand*hidden_size={d_inner}"
-        )
-    limit = get(c, "time_step_limit", default=(0.0, math.inf))
-    scaling = common.check_finite_multiplier("logits_scaling", c.get("logits_scaling", 1.0))
+    mamba = common.mamba_prefixed_fields(c, d_inner, f"mamba_expand*hidden_size={d_inner}")
+    scaling = common.finite_multiplier(c, "logits_scaling")
     moe = {}
     if experts:
         moe = dict(
@@ -63,38 +51,19 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         layer_types=common.paired_layer_types(mixers, "moe" if experts else "mlp"),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        mamba_num_heads=mamba_heads,
-        mamba_head_dim=mamba_head_dim,
-        n_groups=c.get("mamba_n_groups", 1),
-        ssm_state_size=c.get("mamba_d_state", 256),
-        conv_kernel=c.get("mamba_d_conv", 4),
-        chunk_size=c.get("mamba_chunk_size", 256),
-        use_conv_bias=bool(c.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(c.get("mamba_proj_bias", False)),
-        time_step_limit=tuple(common.as_float(v) for v in limit),
+        **mamba,
         residual_in_fp32=True,
-        num_attention_heads=num_heads,
-        num_key_value_heads=get(c, "num_key_value_heads", default=num_heads),
-        head_dim=head_dim,
-        attention_bias=bool(c.get("attention_bias", False)),
+        **common.attention_fields(c, num_heads, head_dim),
         intermediate_size=0 if experts else shared,
         mlp_bias=False,
         mlp_activation="silu_glu",
         rope_theta=theta,
         rope_dim=rope_dim,
-        attention_scale=common.check_finite_multiplier(
-            "attention_multiplier", c.get("attention_multiplier", 1.0)
-        ),
-        embedding_multiplier=common.check_finite_multiplier(
-            "embedding_multiplier", c.get("embedding_multiplier", 1.0)
-        ),
-        residual_multiplier=common.check_finite_multiplier(
-            "residual_multiplier", c.get("residual_multiplier", 1.0)
-        ),
+        attention_scale=common.finite_multiplier(c, "attention_multiplier"),
+        embedding_multiplier=common.finite_multiplier(c, "embedding_multiplier"),
+        residual_multiplier=common.finite_multiplier(c, "residual_multiplier"),
         logits_multiplier=1.0 / scaling,
-        bos_token_id=common.token_id(c, "bos_token_id", 1),
-        eos_token_id=common.token_id(c, "eos_token_id", 2),
-        pad_token_id=common.token_id(c, "pad_token_id", None),
+        **common.special_token_ids(c, bos=1, eos=2, pad=None),
         name=name,
         **moe,
     )

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.families import Family, common
-from jaxmamba.model.families.nemotron_h import mamba_common_hf
 
 
 def from_hf(c: dict, name: str) -> ModelConfig:
@@ -20,7 +17,6 @@ def from_hf(c: dict, name: str) -> ModelConfig:
             f"HF mamba2 config expand*hidden_size={expand}*{hidden} != "
             f"num_heads*head_dim={num_heads}*{head_dim}"
         )
-    limit = c.get("time_step_limit", (0.0, math.inf))
     return ModelConfig(
         model_type="mamba2",
         vocab_size=c.get("vocab_size", 32768),
@@ -36,7 +32,7 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         chunk_size=c.get("chunk_size", 256),
         use_conv_bias=bool(c.get("use_conv_bias", True)),
         mamba_proj_bias=bool(c.get("use_bias", False)),
-        time_step_limit=tuple(common.as_float(v) for v in limit),
+        time_step_limit=common.time_step_limit(c),
         residual_in_fp32=bool(c.get("residual_in_fp32", True)),
         num_attention_heads=0,
         num_key_value_heads=0,
@@ -45,9 +41,7 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         intermediate_size=0,
         mlp_bias=False,
         mlp_activation="relu2",
-        bos_token_id=common.token_id(c, "bos_token_id", 0),
-        eos_token_id=common.token_id(c, "eos_token_id", 2),
-        pad_token_id=common.token_id(c, "pad_token_id", 1),
+        **common.special_token_ids(c, bos=0, eos=2, pad=1),
         name=name,
     )
 
@@ -63,7 +57,7 @@ def to_hf(cfg: ModelConfig) -> dict:
     return {
         "model_type": "mamba2",
         "architectures": ["Mamba2ForCausalLM"],
-        **mamba_common_hf(cfg),
+        **common.mamba2_hf_keys(cfg),
         "num_hidden_layers": cfg.num_layers,
         "num_heads": cfg.mamba_num_heads,
         "head_dim": cfg.mamba_head_dim,

@@ -51,12 +51,10 @@ def _layer_types(config: dict) -> tuple[str, ...]:
 
 
 def from_hf(c: dict, name: str) -> ModelConfig:
-    get, token_id = common.get, common.token_id
+    get = common.get
     layer_types = _layer_types(c)
     common.require(c, "mamba_hidden_act", ("silu",), "silu")
-    mlp_act = c.get("mlp_hidden_act", "relu2")
-    if mlp_act != "relu2":
-        raise ValueError(f"HF config mlp_hidden_act={mlp_act!r} is unsupported: only 'relu2'")
+    mlp_act = common.require(c, "mlp_hidden_act", ("relu2",), "relu2")
     # transformers' NemotronHAttention never applies RoPE (rope_theta etc. are inert there), so
     # those keys are ignored; an explicit position embedding or a sliding window would change
     # the numbers and is refused.
@@ -108,16 +106,11 @@ def from_hf(c: dict, name: str) -> ModelConfig:
             math.inf,
         ),
         residual_in_fp32=bool(c.get("residual_in_fp32", False)),
-        num_attention_heads=num_heads,
-        num_key_value_heads=get(c, "num_key_value_heads", default=num_heads),
-        head_dim=get(c, "head_dim", default=hidden // num_heads),
-        attention_bias=bool(c.get("attention_bias", False)),
+        **common.attention_fields(c, num_heads, get(c, "head_dim", default=hidden // num_heads)),
         intermediate_size=c.get("intermediate_size", 21504),
         mlp_bias=bool(c.get("mlp_bias", False)),
         mlp_activation=mlp_act,
-        bos_token_id=token_id(c, "bos_token_id", 1),
-        eos_token_id=token_id(c, "eos_token_id", 2),
-        pad_token_id=token_id(c, "pad_token_id", 0),
+        **common.special_token_ids(c, bos=1, eos=2, pad=0),
         name=name,
         **moe,
     )
@@ -136,7 +129,7 @@ def to_hf(cfg: ModelConfig) -> dict:
     return {
         "model_type": "nemotron_h",
         "architectures": ["NemotronHForCausalLM"],
-        **mamba_common_hf(cfg),
+        **common.mamba2_hf_keys(cfg),
         "layers_block_type": [_HF_LAYER_NAMES[t] for t in cfg.layer_types],
         "mamba_num_heads": cfg.mamba_num_heads,
         "mamba_head_dim": cfg.mamba_head_dim,
@@ -150,27 +143,6 @@ def to_hf(cfg: ModelConfig) -> dict:
         "intermediate_size": cfg.intermediate_size or 1,
         "mlp_bias": cfg.mlp_bias,
         "mlp_hidden_act": cfg.mlp_activation,
-    }
-
-
-def mamba_common_hf(cfg: ModelConfig) -> dict:
-    """The config.json keys nemotron_h and mamba2 spell alike."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "layer_norm_epsilon": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "n_groups": cfg.n_groups,
-        "conv_kernel": cfg.conv_kernel,
-        "chunk_size": cfg.chunk_size,
-        "use_conv_bias": cfg.use_conv_bias,
-        "use_bias": cfg.mamba_proj_bias,
-        "residual_in_fp32": cfg.residual_in_fp32,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": (
-            list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_id
-        ),
-        "pad_token_id": cfg.pad_token_id,
     }
 
 
