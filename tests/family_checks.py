@@ -3,8 +3,9 @@ checkpoints written by `save_pretrained`: packed prefill logits (fp32, and one b
 greedy generation through the engine's cache equal to `generate` with matching logprobs,
 through chunked prefill and a prefix-cache hit.
 
-`perturb` redraws every parameter (HF's init sets norms to 1, D to 1, biases to 0, A_log to
-log(1..H), routers to 0: values that would hide transposes, swapped halves and missing terms).
+The checkpoints' parameters are redrawn by `hf_fixtures.perturb_parameters` (HF's init sets
+norms to 1, D to 1, biases to 0, A_log to log(1..H), routers to 0: values that would hide
+transposes, swapped halves and missing terms).
 """
 
 from __future__ import annotations
@@ -20,46 +21,6 @@ from jaxmamba import LLM, ModelConfig, SamplingParams
 from jaxmamba.model.loader import load_hf_checkpoint
 
 from model_helpers import make_runner, prefill_logits, random_prompts, row
-
-
-@torch.no_grad()
-def perturb(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g)
-
-    def rand(*shape):
-        return torch.rand(*shape, generator=g)
-
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
-        if leaf == "A_log":
-            p.copy_(torch.log(0.25 + 3.75 * rand(*p.shape)))  # A in [-4, -0.25]
-        elif leaf == "D":
-            p.copy_(1.0 + 0.5 * randn(*p.shape))
-        elif leaf == "dt_bias":
-            dt = 0.005 + 0.2 * rand(*p.shape)
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
-        elif "norm" in parent:
-            p.copy_(1.0 + 0.2 * randn(*p.shape))
-        elif leaf == "bias":
-            p.copy_(0.1 * randn(*p.shape))
-        elif parent == "conv1d":
-            p.copy_(randn(*p.shape) / math.sqrt(p.shape[-1]))
-        elif "embed" in name or name == "lm_head.weight":
-            p.copy_(2.0 * randn(*p.shape) / math.sqrt(p.shape[-1]))  # logits of std ~2
-        elif p.ndim in (2, 3):
-            # Linears [out, in] and stacked experts [X, out, in]: unit-variance outputs, halved
-            # so the residual stream grows slowly with depth; routers get clear preferences.
-            gain = 2.0 if "gate" in parent or "router" in name else 0.5
-            p.copy_(gain * randn(*p.shape) / math.sqrt(p.shape[-1]))
-        else:
-            raise AssertionError(f"perturb: unhandled parameter {name} {tuple(p.shape)}")
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.1 * randn(*b.shape))
 
 
 def hf_logits(model, prompt: list[int]) -> np.ndarray:

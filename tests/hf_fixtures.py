@@ -29,7 +29,8 @@ PATTERN_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "
 
 @torch.no_grad()
 def perturb_parameters(model: torch.nn.Module, seed: int) -> None:
-    """Redraw every parameter at random while keeping the network numerically tame."""
+    """Redraw every parameter (and MoE score-correction buffer) at random while keeping the
+    network numerically tame."""
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -49,24 +50,35 @@ def perturb_parameters(model: torch.nn.Module, seed: int) -> None:
         elif leaf == "dt_bias":
             dt = 0.005 + 0.2 * rand(*p.shape)
             p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1, then dt lands in range
-        elif parent in ("norm", "norm_f"):
+        elif "norm" in parent:
             p.copy_(1.0 + 0.2 * randn(*p.shape))
         elif leaf == "bias":
             p.copy_(0.1 * randn(*p.shape))
         elif parent == "conv1d":
             p.copy_(randn(*p.shape) / math.sqrt(p.shape[-1]))
-        elif "embedding" in name:
-            # 2/sqrt(E): a tied head then gives logits of std ~2, peaked but not saturated.
-            p.copy_(2.0 * randn(*p.shape) / math.sqrt(p.shape[1]))
-        elif name == "lm_head.weight":
-            # Logits of std ~2 (as for a tied head): greedy picks have clear margins.
-            p.copy_(2.0 * randn(*p.shape) / math.sqrt(p.shape[1]))
-        elif p.ndim == 2:
-            # Linear [out, in]: unit-variance outputs for unit-variance inputs, halved so the
-            # residual stream grows slowly with depth.
-            p.copy_(0.5 * randn(*p.shape) / math.sqrt(p.shape[1]))
+        elif "embed" in name or name == "lm_head.weight":
+            # 2/sqrt(E): logits of std ~2 (tied head or not), peaked but not saturated, so
+            # greedy picks have clear margins.
+            p.copy_(2.0 * randn(*p.shape) / math.sqrt(p.shape[-1]))
+        elif p.ndim in (2, 3):
+            # Linears [out, in] and stacked experts [X, out, in]: unit-variance outputs, halved
+            # so the residual stream grows slowly with depth; routers get clear preferences.
+            gain = 2.0 if "gate" in parent or "router" in name else 0.5
+            p.copy_(gain * randn(*p.shape) / math.sqrt(p.shape[-1]))
         else:
             raise AssertionError(f"perturb_parameters: unhandled parameter {name} {tuple(p.shape)}")
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * randn(*b.shape))
+
+
+def save_random_checkpoint(model: torch.nn.Module, path, seed: int):
+    """`model` in float32, eval mode, its parameters redrawn (`perturb_parameters`), saved to
+    `path` by `save_pretrained`; returns (path, model)."""
+    model = model.float().eval()
+    perturb_parameters(model, seed)
+    model.save_pretrained(path)
+    return path, model
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from family_checks import assert_logits_close, hf_logits
 
 from jaxmamba import LLM, ModelConfig, SamplingParams
 from jaxmamba.config import preset_path
@@ -81,11 +82,7 @@ def test_demo_logits_match_hf_transformers(demo_dir):
     text = 'import os\n\n\ndef main(argv):\n    """Print every argument."""\n    for a in argv:\n'
     prompt = [cfg.bos_token_id, *text.encode()]
     (ours,) = prefill_logits(runner, [row(prompt, 0, 0)])
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0].float().numpy()
-    scale = max(1.0, float(np.abs(ref).max()))
-    err = float(np.abs(ours - ref).max())
-    assert err <= 1e-4 * scale, f"max abs logit diff {err:.3g} > 1e-4 x scale {scale:.3g}"
+    assert_logits_close(ours, hf_logits(model, prompt))
 
 
 def test_source_files_skip_test_suites_and_hold_out_every_20th(tmp_path):

@@ -7,10 +7,11 @@ from family_checks import (
     check_bf16_prefill_logits,
     check_generation,
     check_prefill_logits,
-    perturb,
 )
 
 from jaxmamba import ModelConfig
+
+from hf_fixtures import save_random_checkpoint
 
 
 def make_bamba(path, *, attn_layer_indices, n_groups, seed, **kw):
@@ -24,10 +25,7 @@ def make_bamba(path, *, attn_layer_indices, n_groups, seed, **kw):
         mamba_chunk_size=8, rope_parameters={"rope_type": "default", "rope_theta": 300.0},
         **kw,
     )  # fmt: skip
-    model = BambaForCausalLM(config).float().eval()
-    perturb(model, seed)
-    model.save_pretrained(path)
-    return path, model
+    return save_random_checkpoint(BambaForCausalLM(config), path, seed)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ from family_checks import (
     check_bf16_prefill_logits,
     check_generation,
     check_prefill_logits,
-    perturb,
 )
 
 from jaxmamba import ModelConfig
+
+from hf_fixtures import save_random_checkpoint
 
 MULTIPLIERS = dict(
     embedding_multiplier=1.3, lm_head_multiplier=0.6, mlp_multipliers=[0.8, 1.4],
@@ -30,10 +31,7 @@ def make_falcon(path, *, num_layers, n_groups, seed, **kw):
         mamba_chunk_size=8, rope_parameters={"rope_type": "default", "rope_theta": 700.0},
         **kw,
     )  # fmt: skip
-    model = FalconH1ForCausalLM(config).float().eval()
-    perturb(model, seed)
-    model.save_pretrained(path)
-    return path, model
+    return save_random_checkpoint(FalconH1ForCausalLM(config), path, seed)
 
 
 @pytest.fixture(scope="module")

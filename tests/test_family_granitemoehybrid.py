@@ -8,10 +8,11 @@ from family_checks import (
     check_bf16_prefill_logits,
     check_generation,
     check_prefill_logits,
-    perturb,
 )
 
 from jaxmamba import ModelConfig
+
+from hf_fixtures import save_random_checkpoint
 
 
 def make_granite(path, *, layer_types, n_groups, seed, **kw):
@@ -24,10 +25,7 @@ def make_granite(path, *, layer_types, n_groups, seed, **kw):
         mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=n_groups, mamba_d_state=8,
         mamba_chunk_size=8, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw,
     )  # fmt: skip
-    model = GraniteMoeHybridForCausalLM(config).float().eval()
-    perturb(model, seed)
-    model.save_pretrained(path)
-    return path, model
+    return save_random_checkpoint(GraniteMoeHybridForCausalLM(config), path, seed)
 
 
 @pytest.fixture(scope="module")

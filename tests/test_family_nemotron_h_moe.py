@@ -12,11 +12,12 @@ from family_checks import (
     check_bf16_prefill_logits,
     check_generation,
     check_prefill_logits,
-    perturb,
 )
 
 from jaxmamba import ModelConfig
 from jaxmamba.model.moe import route_sigmoid_grouped
+
+from hf_fixtures import save_random_checkpoint
 
 TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
@@ -32,10 +33,9 @@ def make_nemotron_moe(path, *, pattern, seed, **kw):
         moe_shared_expert_intermediate_size=40, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
-    model = NemotronHForCausalLM(NemotronHConfig(**{**defaults, **kw})).float().eval()
-    perturb(model, seed)
-    model.save_pretrained(path)
-    return path, model
+    return save_random_checkpoint(
+        NemotronHForCausalLM(NemotronHConfig(**{**defaults, **kw})), path, seed
+    )
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from family_checks import assert_logits_close, hf_greedy, hf_logits
 
 from jaxmamba import LLM, ModelConfig, SamplingParams
 from jaxmamba.model.loader import load_hf_checkpoint
@@ -32,17 +32,6 @@ def checkpoint(request, tmp_path_factory):
     return path, model
 
 
-def hf_logits(model, prompt: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float().numpy()
-
-
-def assert_logits_close(ours: np.ndarray, ref: np.ndarray) -> None:
-    scale = max(1.0, float(np.abs(ref).max()))
-    err = float(np.abs(ours - ref).max())
-    assert err <= 1e-4 * scale, f"max abs logit diff {err:.3g} > 1e-4 x scale {scale:.3g}"
-
-
 def test_packed_prefill_logits_match_hf(checkpoint):
     path, model = checkpoint
     cfg = ModelConfig.load(str(path))
@@ -66,22 +55,9 @@ def test_greedy_generation_matches_hf_generate(checkpoint):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=6,
-                min_new_tokens=6,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        hf_tokens = gen.sequences[0, len(prompt) :].tolist()
+        hf_tokens, hf_logprobs = hf_greedy(model, prompt, 6)
         completion = out.outputs[0]
         assert completion.token_ids == hf_tokens
-        hf_logprobs = [
-            torch.log_softmax(step_logits[0].float(), -1)[tok].item()
-            for step_logits, tok in zip(gen.logits, hf_tokens, strict=True)
-        ]
         ours = [completion.logprobs[i][tok].logprob for i, tok in enumerate(hf_tokens)]
         np.testing.assert_allclose(ours, hf_logprobs, atol=1e-4, rtol=0)
         assert all(len(lp) >= 2 for lp in completion.logprobs)
