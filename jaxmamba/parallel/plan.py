@@ -99,11 +99,14 @@ class TensorParallelPlan:
 
     def describe(self) -> str:
         cfg, n = self.cfg, self.size
-        parts = [f"tensor parallel over {n} shards: {cfg.mamba_num_heads // n} Mamba heads"]
+        parts = [f"{cfg.mamba_num_heads // n} of {cfg.mamba_num_heads} Mamba heads",
+                 f"{self.groups // n} of {self.groups} B/C groups"]  # fmt: skip
         if self.groups != cfg.n_groups:
-            parts.append(f"n_groups {cfg.n_groups} repeated to {self.groups}")
+            parts[-1] += f" (n_groups={cfg.n_groups} repeated {self.groups // cfg.n_groups}x)"
         if cfg.attention_layers:
-            parts.append(f"{cfg.num_attention_heads // n} query heads")
-            if self.kv_heads != cfg.num_key_value_heads:
-                parts.append(f"KV heads {cfg.num_key_value_heads} repeated to {self.kv_heads}")
-        return ", ".join(parts) + " per shard"
+            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            parts.append(f"{hq // n} of {hq} query heads")
+            parts.append(f"{self.kv_heads // n} of {self.kv_heads} KV heads")
+            if self.kv_heads != hkv:
+                parts[-1] += f" (num_key_value_heads={hkv} repeated {self.kv_heads // hkv}x)"
+        return f"tensor parallel over {n} shards, each with " + ", ".join(parts)
