@@ -11,7 +11,10 @@ artifact skips the tracing; see docs/export.md). Every compile is written, howev
 (`jax_persistent_cache_min_compile_time_secs=0`): JAX's default of 1 s skips the small
 buckets, which then compile again in every process.
 
-JAX reads these settings at the first compile of a process; set up the cache before that.
+JAX decides at the first compile of a process whether it uses the cache, and keeps to that;
+a later call here that turns the cache off or moves it makes JAX decide again at its next
+compile (`reset_cache`), so `LLM(compilation_cache=False)` after an `LLM` with the cache on
+compiles afresh.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def setup_compilation_cache(
 
     if not enabled:
         jax.config.update("jax_enable_compilation_cache", False)
-        _ACTIVE[:] = [None]
+        _decide_again_if_changed(None)
         return None
     current = jax.config.jax_compilation_cache_dir
     path = str(Path(cache_dir).expanduser()) if cache_dir is not None else None
@@ -56,8 +59,19 @@ def setup_compilation_cache(
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if _ACTIVE != [path] and not quiet:
         sys.stderr.write(f"jaxmamba: XLA compilation cache at {path}\n")
-    _ACTIVE[:] = [path]
+    _decide_again_if_changed(path)
     return path
+
+
+def _decide_again_if_changed(path: str | None) -> None:
+    """Record `path` (None: off) as this process's cache; when it differs from the one set up
+    before, reset JAX's once-per-process decision (a private API) so the next compile follows
+    the new settings."""
+    if _ACTIVE and _ACTIVE != [path]:
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    _ACTIVE[:] = [path]
 
 
 def active_cache_dir() -> str | None:
