@@ -1,9 +1,65 @@
 """Set-up shared by every test module."""
 
 import gc
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
+
+from jaxmamba.export.compile_cache import setup_compilation_cache
+
+_CACHE_ENV = "JAXMAMBA_COMPILATION_CACHE_DIR"
+
+# The longest files, longest first (their seconds in `pytest --durations=0`). xdist
+# (`--dist loadfile --no-loadscope-reorder`) hands out files in collection order, each to the
+# first free worker: the long ones start first and the short ones fill in behind them, so
+# neither worker is left with a long file after the other has finished.
+LONGEST_FIRST = (
+    "test_engine.py",
+    "test_prefix_branch.py",
+    "test_model_hf_parity.py",
+    "test_family_nemotron_h_moe.py",
+    "test_server.py",
+    "test_kernels_ssd_pallas.py",
+    "test_stopping_hf.py",
+    "test_llm_api.py",
+    "test_sampling_hf.py",
+    "test_streaming.py",
+    "test_artifacts.py",
+)
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for the whole run, empty at its start and shared by
+    the xdist workers (and the subprocesses tests start), set up before the first compile:
+    a step compiled in one test file is then read back, not compiled again, wherever the
+    same program recurs. Its being empty keeps local runs as cold as CI's."""
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        config._jaxmamba_cache = tempfile.mkdtemp(prefix="jaxmamba-test-xla-")
+        os.environ[_CACHE_ENV] = config._jaxmamba_cache
+    _use_run_cache()
+
+
+def _use_run_cache():
+    """Tests turn the cache off (`LLM(compilation_cache=False)`) or move it: it is put back
+    after every module."""
+    setup_compilation_cache(os.environ[_CACHE_ENV], quiet=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside a file and among the rest is kept
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_jaxmamba_cache", None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -16,3 +72,4 @@ def release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+    _use_run_cache()
