@@ -19,8 +19,14 @@ def tiny_params():
     return init_params(ModelConfig.from_preset(TINY), seed=0)
 
 
+# Every engine of this module gets the same pool sizes (on CPU, caching on defaults to twice
+# max_num_seqs slots and twice its pages), with the prefix cache on or off: the cache shape is
+# static in the jitted step, so equal pools share one compiled program per bucket.
+POOL = {"num_state_slots": 8, "num_pages": 80}
+
+
 def tiny_llm(params, **kw):
-    kw = {"max_num_seqs": 4, "max_model_len": 160, "max_num_batched_tokens": 64, **kw}
+    kw = {"max_num_seqs": 4, "max_model_len": 160, "max_num_batched_tokens": 64, **POOL, **kw}
     return LLM(TINY, params=params, **kw)
 
 
@@ -57,8 +63,8 @@ def model_and_params(request, tmp_path_factory, tiny_params):
 
 def test_16_requests_through_4_rows_match_each_request_alone(model_and_params):
     model, params = model_and_params
-    kw = dict(max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64, params=params)
-    llm = LLM(model, **kw)
+    kw = dict(max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64, **POOL)
+    llm = LLM(model, params=params, **kw)
     vocab = min(llm.model_cfg.vocab_size, 256)
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 90, size=16)
@@ -68,7 +74,7 @@ def test_16_requests_through_4_rows_match_each_request_alone(model_and_params):
     stats = llm.stats()
     assert stats["mixed_steps"] > 0 and stats["decode_steps"] > 0  # continuous batching mixed
     assert stats["device_reads"] == stats["steps"]  # one device→host read per step
-    alone_llm = LLM(model, **{**kw, "max_num_seqs": 1, "enable_prefix_caching": False})
+    alone_llm = LLM(model, params=params, **kw, enable_prefix_caching=False)
     for prompt, sp, got in zip(prompts, sps, together, strict=True):
         (alone,) = alone_llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
         assert got == alone.outputs[0].token_ids
@@ -78,7 +84,7 @@ def test_16_requests_through_4_rows_match_each_request_alone(model_and_params):
 def test_chunked_prefill_matches_unchunked(tiny_params):
     prompts = prompts_of([150, 77, 16, 130], seed=2)
     small = tiny_llm(tiny_params, max_num_batched_tokens=16)
-    big = tiny_llm(tiny_params, max_num_batched_tokens=256, max_model_len=256)
+    big = tiny_llm(tiny_params, max_num_batched_tokens=256)
     a = token_ids(small.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
     b = token_ids(big.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
     assert a == b

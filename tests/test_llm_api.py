@@ -156,7 +156,10 @@ def test_hf_checkpoint_with_tokenizer_decodes_text(tmp_path):
 def test_cli_generate_prints_throughput_and_rejects_bad_models(capsys):
     from jaxmamba.cli import main
 
-    assert main(["generate", "--prompt", "hi", "--max-tokens", "4", "--max-model-len", "64"]) == 0
+    # The module's `llm` engine sizes: the steps it compiled serve the CLI too.
+    argv = ["generate", "--prompt", "hi", "--max-tokens", "4", "--max-model-len", "96",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]  # fmt: skip
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "generated tokens/s" in out and "'hi'" in out
     assert main(["generate", "--model", "no-such-preset"]) == 2
