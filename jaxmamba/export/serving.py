@@ -190,13 +190,17 @@ class ArtifactRunner:
             return None
         path = self.artifact.file(stored["path"], stored["sha256"])
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        self.loaded_executables += 1
-        return deserialize_and_load(payload, in_tree, out_tree)
+        loaded = deserialize_and_load(payload, in_tree, out_tree)
+        with self._lock:
+            self.loaded_executables += 1
+        return loaded
 
-    def load_steps(self) -> None:
-        """Read, check (sha256, platform, shapes) and deserialize every bucket's step now."""
-        for key in self._entries:
-            self._step(key)
+    def load_steps(self, workers: int | None = None) -> None:
+        """Read, check (sha256, platform, shapes) and deserialize every bucket's step now, in
+        `workers` threads (default: one per core, at most 8)."""
+        workers = workers or max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(self._step, list(self._entries)))
 
     def step(self, inputs, num_decode: int) -> jax.Array:
         """Dispatch one step; returns the packed device output without waiting for it."""
