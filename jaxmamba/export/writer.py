@@ -85,8 +85,10 @@ def compile_serialized(exported) -> bytes:
 def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> Path:
     """A copy of the artifact `src` at `out` that also holds, for every bucket `runner` (an
     `ArtifactRunner` of `src`) has compiled, that step serialized for this machine, as
-    `export --executables` stores it. A step the runner read back from the persistent cache is
-    compiled afresh (`compile_serialized`): on XLA:CPU such an executable does not load."""
+    `export --executables` stores it. A step the runner read back from the persistent cache,
+    or one XLA cannot serialize as it is, is compiled afresh (`compile_serialized`): on XLA:CPU
+    the former does not load, and an executable whose sort got XLA:CPU's built-in comparator
+    was seen refusing to serialize while the same step compiled there did not."""
     import pickle
 
     from jax.experimental.serialize_executable import serialize
@@ -103,9 +105,13 @@ def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> P
             continue
         compiled, fresh = runner.compiled[key]
         rel = entry["files"][platform]["path"].replace(".jaxexport", ".executable")
+        blob = None
         if fresh:
-            blob = pickle.dumps(serialize(compiled))
-        else:
+            try:
+                blob = pickle.dumps(serialize(compiled))
+            except jax.errors.JaxRuntimeError:  # XLA:CPU: "`LessThan` is not serializable"
+                blob = None
+        if blob is None:
             exported = jax.export.deserialize(bytearray((out / entry["files"][platform]["path"])
                                                         .read_bytes()))  # fmt: skip
             blob = compile_serialized(exported)
