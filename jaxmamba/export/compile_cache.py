@@ -65,12 +65,12 @@ def setup_compilation_cache(
 
 def _decide_again_if_changed(path: str | None) -> None:
     """Record `path` (None: off) as this process's cache; when it differs from the one set up
-    before, reset JAX's once-per-process decision (a private API) so the next compile follows
-    the new settings."""
+    before, reset JAX's once-per-process decision (`reset_cache`, public in
+    `jax.experimental.compilation_cache`) so the next compile follows the new settings."""
     if _ACTIVE and _ACTIVE != [path]:
-        from jax._src import compilation_cache
+        from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-        compilation_cache.reset_cache()
+        reset_cache()
     _ACTIVE[:] = [path]
 
 
