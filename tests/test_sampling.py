@@ -8,13 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from test_sampling_hf import hf_scores
 
 from jaxmamba.model import sampling
 from jaxmamba.model.sampling import MAX_LOGPROBS, filter_cutoff, sample, top_k_blocked
@@ -223,18 +217,7 @@ def edge_rows(rng, vocab: int):
 
 
 def hf_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    scores = torch.from_numpy(scaled[None].astype(np.float32))
-    ids = torch.zeros((1, 1), dtype=torch.long)
-    warpers = [TemperatureLogitsWarper(1.0)]
-    if top_k > 0:
-        warpers.append(TopKLogitsWarper(int(top_k)))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(float(top_p)))
-    if min_p > 0.0:
-        warpers.append(MinPLogitsWarper(float(min_p)))
-    for warper in warpers:
-        scores = warper(ids, scores)
-    return np.isfinite(scores[0].numpy())
+    return np.isfinite(hf_scores(scaled, 1.0, top_k, top_p, min_p))
 
 
 @pytest.mark.parametrize("vocab", [300, 2500])
