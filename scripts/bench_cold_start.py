@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -85,6 +86,10 @@ def engine_settings(args) -> dict:
 
 def child(args) -> None:
     t0 = time.perf_counter()
+
+    def mark(what: str) -> None:  # on stderr (the phase's log): where a slow phase was
+        print(f"[{time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     import jax
 
     sums = dict.fromkeys(EVENTS, 0.0)
@@ -108,6 +113,7 @@ def child(args) -> None:
 
     setup_compilation_cache(args.cache_dir)
     t_import = time.perf_counter() - t0
+    mark("imported")
     engine = engine_settings(args)
     phase = args.child
     if phase == "export":
@@ -135,6 +141,7 @@ def child(args) -> None:
     params = random_params(args.model, args.dtype)
     jax.block_until_ready(params)
     t_weights = time.perf_counter() - t1
+    mark("weights ready")
     artifact = {"art-cold": args.artifact, "art-warm": args.artifact,
                 "art-exec": args.artifact + "-exec"}.get(phase)  # fmt: skip
     if artifact is not None:
@@ -144,9 +151,22 @@ def child(args) -> None:
         llm = LLM(args.model, dtype=args.dtype, params=params, **engine,
                   kv_cache_memory_bytes=args.kv_cache_gib << 30)  # fmt: skip
     t_build = time.perf_counter() - t1
+    mark(f"LLM built ({getattr(llm.runner, 'loaded_executables', 0)} executables loaded)")
     t2 = time.perf_counter()
-    n = 0 if phase == "live" else llm.engine.precompile(show_progress=False)
+    n = 0
+    if phase != "live":
+        buckets = llm.engine.scheduler.all_buckets()
+
+        def progress(i, total, _bucket):
+            if i == total or i % max(1, total // 8) == 0:
+                mark(f"precompiled {i}/{total}")
+
+        # `engine.precompile`, with the number of compile threads given.
+        llm.runner.precompile(buckets, llm.engine.builder.padding, progress,
+                              workers=args.compile_workers)  # fmt: skip
+        n = len(buckets)
     t_pre = time.perf_counter() - t2
+    mark("every bucket ready")
     t3 = time.perf_counter()
     n_prompt = min(37, llm.engine_cfg.max_model_len // 2)
     prompt = [[(3 + 7 * i) % llm.model_cfg.vocab_size for i in range(n_prompt)]]
@@ -165,12 +185,26 @@ def child(args) -> None:
     if phase == "art-cold" and args.save_executables:
         from jaxmamba.export.writer import add_executables
 
+        print(json.dumps(row), flush=True)  # the start-up's figures, before the copy
         t4 = time.perf_counter()
         shutil.rmtree(args.artifact + "-exec", ignore_errors=True)
         add_executables(args.artifact, args.artifact + "-exec", llm.runner)
         row["save_executables_s"] = time.perf_counter() - t4
         row["fresh_compiles"] = sum(fresh for _, fresh in llm.runner.compiled.values())
     print(json.dumps(row))
+
+
+COLS = ["phase", "buckets", "process_s", "import_s", "weights_s", "build_s", "precompile_s",
+        "start_to_ready_s", "trace_s", "lower_s", "compile_s", "cache_read_s", "hits", "misses",
+        "loaded_executables"]  # fmt: skip
+
+
+def table_row(row: dict | None) -> str:
+    """One phase's row of the table (None: the header)."""
+    if row is None:
+        return "| " + " | ".join(COLS) + " |"
+    return "| " + " | ".join(f"{row[c]:.1f}" if isinstance(row.get(c), float)
+                             else str(row.get(c, "-")) for c in COLS) + " |"  # fmt: skip
 
 
 def main() -> None:
@@ -187,9 +221,26 @@ def main() -> None:
     p.add_argument("--save-executables", action="store_true",
                    help="art-cold stores what it compiled for art-exec")  # fmt: skip
     p.add_argument("--kv-cache-gib", type=int, default=48, help="live phases' cache budget")
-    p.add_argument("--keep-cache", action="store_true", help="start from the cache there is")
+    p.add_argument(
+        "--compile-workers",
+        type=int,
+        help="precompile's threads (default: the runner's, one per core up to 8)",
+    )
+    p.add_argument(
+        "--phase-timeout-s",
+        type=float,
+        default=float("inf"),
+        help="stop a phase's process after this long (its log says where it was)",
+    )
+    p.add_argument(
+        "--end-s",
+        type=float,
+        default=float("inf"),
+        help="stop the running phase this many seconds after the start",
+    )
     p.add_argument("--deadline-s", type=float, default=float("inf"),
                    help="start no phase after this many seconds")  # fmt: skip
+    p.add_argument("--keep-cache", action="store_true", help="start from the cache there is")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     p.add_argument("--artifact", help=argparse.SUPPRESS)
@@ -213,23 +264,42 @@ def main() -> None:
                "--kv-cache-gib", str(args.kv_cache_gib)]  # fmt: skip
         if args.save_executables:
             cmd.append("--save-executables")
+        if args.compile_workers:
+            cmd += ["--compile-workers", str(args.compile_workers)]
+        timeout = min(args.phase_timeout_s, args.end_s - (time.monotonic() - begin))
+        timeout = None if math.isinf(timeout) else max(1.0, timeout)
+        log_path = os.path.join(args.out, f"{phase}.log")
+        os.makedirs(args.out, exist_ok=True)
         start = time.perf_counter()
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        with open(log_path, "w") as log:
+            try:
+                run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                     timeout=timeout)  # fmt: skip
+                stdout, code = run.stdout, run.returncode
+            except subprocess.TimeoutExpired as err:
+                stdout, code = err.stdout or "", None
+                if isinstance(stdout, bytes):
+                    stdout = stdout.decode(errors="replace")
         wall = time.perf_counter() - start
-        if run.returncode != 0:
-            print(f"{phase} failed:\n{run.stderr[-4000:]}", flush=True)
-            continue
-        row = json.loads(run.stdout.strip().splitlines()[-1])
+        with open(log_path) as log:
+            marks = [line.rstrip() for line in log if line.startswith("[")]
+        lines = [line for line in stdout.strip().splitlines() if line.startswith("{")]
+        if code != 0:
+            why = f"timed out after {wall:.0f} s" if code is None else f"exited {code}"
+            with open(log_path) as log:
+                tail = log.read()[-3000:]
+            print(f"{phase} {why}; its marks: {marks}\n{tail if code else ''}", flush=True)
+            if not lines:
+                continue
+        row = json.loads(lines[-1])
         row["process_s"] = wall
+        row["marks"] = marks
         rows.append(row)
         print(json.dumps(row), flush=True)
-    cols = ["phase", "buckets", "process_s", "import_s", "weights_s", "build_s", "precompile_s",
-            "start_to_ready_s", "trace_s", "lower_s", "compile_s", "cache_read_s", "hits",
-            "misses", "loaded_executables"]  # fmt: skip
-    print("| " + " | ".join(cols) + " |")
+        print(table_row(row), flush=True)
+    print(table_row(None))
     for r in rows:
-        print("| " + " | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float)
-                                else str(r.get(c, "-")) for c in cols) + " |")  # fmt: skip
+        print(table_row(r))
     tokens = {r["phase"]: r["tokens"] for r in rows if "tokens" in r}
     if len(tokens) > 1:
         first = next(iter(tokens.values()))

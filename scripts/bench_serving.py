@@ -357,10 +357,22 @@ def side_by_side(args) -> int:
     llm = _build_llm(args, max_len)
     t_build = time.perf_counter() - t0
     startup = {"build_s": t_build}
+    print(f"built the LLM in {t_build:.1f} s", flush=True)
     if args.precompile:
         t = time.perf_counter()
-        startup["buckets"] = llm.engine.precompile(show_progress=False)
+        buckets = llm.engine.scheduler.all_buckets()
+
+        def progress(i, n, _bucket):
+            if i == n or i % max(1, n // 8) == 0:
+                print(f"precompiled {i}/{n} buckets ({time.perf_counter() - t:.0f} s)",
+                      flush=True)  # fmt: skip
+
+        # What `engine.precompile` does, with the number of compile threads given.
+        llm.runner.precompile(buckets, llm.engine.builder.padding, progress,
+                              workers=args.compile_workers)  # fmt: skip
+        startup["buckets"] = len(buckets)
         startup["precompile_s"] = time.perf_counter() - t
+        startup["compile_workers"] = args.compile_workers
     startup.update(cache_events, compilations=llm.runner.num_compiles)
     print(f"start-up: {json.dumps(startup)} (max_model_len {llm.engine_cfg.max_model_len})",
           flush=True)  # fmt: skip
@@ -530,6 +542,11 @@ def parse_args(argv=None):
         "--warmup-passes",
         action="store_true",
         help="before each level's timed runs, its requests offline and through the server",
+    )
+    g.add_argument(
+        "--compile-workers",
+        type=int,
+        help="precompile's threads (default: the runner's, one per core up to 8)",
     )
     g.add_argument("--compilation-cache-dir", help="JAX's persistent cache (default: LLM's)")
     g.add_argument("--out-dir")
