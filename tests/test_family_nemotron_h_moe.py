@@ -109,7 +109,7 @@ def test_moe_step_compiles_once_for_any_routing(grouped):
 
 
 @pytest.mark.parametrize("activation, width", [("relu2", 24), ("silu_glu", 48)])
-def test_gathered_blocked_and_ragged_expert_matmuls_agree(activation, width):
+def test_gathered_blocked_kernel_and_ragged_expert_matmuls_agree(activation, width):
     from jaxmamba.model.moe import blocked_experts, gathered_experts, grouped_experts
 
     X, k, E, F, T = 8, 2, 16, 24, 11
@@ -119,14 +119,16 @@ def test_gathered_blocked_and_ragged_expert_matmuls_agree(activation, width):
     w_down = jax.random.normal(keys[2], (X, F, E)) / 5
     weights = jax.random.uniform(keys[3], (T, k))
     idx = jax.lax.top_k(jax.random.normal(keys[4], (T, X)), k)[1]
-    assert T * k > X  # grouped_experts takes the ragged_dot path here
+    assert T * k > X  # more assignments than experts: the layouts have several per expert
     args = (x, weights, idx, w_up, w_down, activation, jnp.float32)
-    ragged = grouped_experts(*args, impl="ragged")
+    ragged = grouped_experts(*args, method="ragged")
     gathered = gathered_experts(*args)
     np.testing.assert_allclose(np.asarray(gathered), np.asarray(ragged), rtol=2e-5, atol=2e-5)
     for block in (1, 4, 16):  # blocks smaller and larger than the groups
         blocked = blocked_experts(*args, block=block)
         np.testing.assert_allclose(np.asarray(blocked), np.asarray(ragged), rtol=2e-5, atol=2e-5)
+    kernel = blocked_experts(*args, impl="interpret")  # the Pallas kernel, 16-row blocks
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(ragged), rtol=2e-5, atol=2e-5)
     # A plain loop over tokens and their experts.
     act = (lambda h: np.square(np.maximum(h, 0))) if activation == "relu2" else (
         lambda h: h[:F] / (1 + np.exp(-h[:F])) * h[F:]

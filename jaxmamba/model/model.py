@@ -81,7 +81,7 @@ class Block(nn.Module):
                 cfg, self.dtype, self.impl, small_m, tp, name="mixer"
             )(h, *cache_entry, meta)
         elif self.layer_type == "moe":
-            out = MoE(cfg, self.dtype, small_m, tp, name="mixer")(h)
+            out = MoE(cfg, self.dtype, small_m, tp, self.impl, name="mixer")(h)
         else:
             out = MLP(
                 cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_activation,

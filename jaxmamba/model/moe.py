@@ -2,19 +2,19 @@
 experts run as grouped matmuls over the tokens sorted by expert, plus an optional shared
 expert that every token goes through.
 
-Static shapes throughout, two formulations picked by the step's (static) token count:
+Static shapes throughout; `grouped_experts` picks the formulation by platform and the
+step's (static) token count:
 
-* `T·k <= X` (decode buckets): each assignment gathers its expert's weights and runs a
-  batched matvec, so a step reads only the routed experts' weights;
-* otherwise the assignments are sorted by expert id, each expert's group padded to whole
-  row blocks, and a loop over the blocks runs one expert's matmuls per block
-  (`blocked_experts`); on TPU, `jax.lax.ragged_dot` over the sorted groups instead (the
-  group sizes a device array, `bincount` with a fixed length).
+* CUDA: the assignments sorted by expert, each expert's group padded to whole row blocks,
+  and the Pallas grouped-matmul kernel (`kernels.grouped_matmul`) over the blocks, which
+  reads only the experts hit and skips unused blocks (`blocked_experts`);
+* elsewhere, `T·k <= X` (decode buckets): each assignment gathers its expert's weights and
+  runs a batched matvec (`gathered_experts`); larger steps `jax.lax.ragged_dot` on TPU,
+  where XLA lowers it to a grouped matmul (`ragged_experts`), and the blocked layout with
+  the reference's loop over blocks on CPU.
 
 A new routing changes values, never shapes, so nothing recompiles and nothing waits for the
-host. On the H200 (JAX 0.11.2) XLA's `ragged_dot` costs as much as every expert densely
-(docs/benchmarks.md, "Model families (issue 18)"); the blocked loop has not been timed there
-yet, and a grouped-GEMM kernel is the way to the roofline.
+host. Measurements behind the choice: docs/benchmarks.md, "Model families (issue 18)".
 
 Letters: T tokens, E hidden, X experts, k experts per token, F expert width.
 """
@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmamba.config import ModelConfig
+from jaxmamba.kernels.common import MIN_DOT_DIM, pow2_at_least
+from jaxmamba.kernels.dispatch import current_platform
+from jaxmamba.kernels.grouped_matmul import build_expert_blocks, grouped_matmul, has_kernel
 from jaxmamba.model.layers import MLP, Dtype, Linear, activate, matmul_precision
 from jaxmamba.parallel.collectives import ShardLayout, reduce
 
@@ -77,22 +80,39 @@ def grouped_experts(
     activation: str,
     dtype: Dtype,
     impl: str = "auto",
+    method: str | None = None,
 ) -> jax.Array:
     """`sum_j weights[t, j] · expert_{idx[t, j]}(x[t])` as f32[T, E].
 
-    At most as many assignments as experts: gathered expert weights. Otherwise `impl`
-    "ragged" (two `ragged_dot`s over the assignments sorted by expert; "auto" on TPU, where
-    XLA lowers it to a grouped matmul) or "blocked" (`blocked_experts`; "auto" elsewhere:
-    on the H200 XLA's `ragged_dot` costs every expert densely, docs/benchmarks.md)."""
+    `method` None picks by platform and step size: where `impl` runs the grouped-matmul
+    kernel (CUDA), "blocked" at every size on the kernel; otherwise "gathered" for at most as
+    many assignments as experts, else "ragged" on TPU (XLA lowers `ragged_dot` to a grouped
+    matmul there) and "blocked" on the reference elsewhere (on the H200 XLA's `ragged_dot`
+    costs every expert densely: docs/benchmarks.md, "Model families (issue 18)")."""
     T, k = idx.shape
-    if T * k <= w_up.shape[0]:
-        return gathered_experts(x, weights, idx, w_up, w_down, activation, dtype)
-    if impl == "auto":
-        impl = "ragged" if jax.default_backend() == "tpu" else "blocked"
-    if impl == "blocked":
-        return blocked_experts(x, weights, idx, w_up, w_down, activation, dtype)
-    if impl != "ragged":
-        raise ValueError(f"grouped_experts impl={impl!r}: expected 'auto', 'ragged' or 'blocked'")
+    if method is None:
+        if has_kernel(impl):
+            method = "blocked"
+        elif T * k <= w_up.shape[0]:
+            method = "gathered"
+        else:
+            platform = impl.partition("_")[2] or current_platform()  # "auto_tpu": TPU
+            method = "ragged" if platform == "tpu" else "blocked"
+    args = (x, weights, idx, w_up, w_down, activation, dtype)
+    if method == "gathered":
+        return gathered_experts(*args)
+    if method == "blocked":
+        return blocked_experts(*args, impl=impl)
+    if method != "ragged":
+        raise ValueError(f"grouped_experts method={method!r}: expected 'gathered', 'blocked', "
+                         "'ragged' or None")  # fmt: skip
+    return ragged_experts(*args)
+
+
+def ragged_experts(x, weights, idx, w_up, w_down, activation: str, dtype) -> jax.Array:
+    """`grouped_experts` as two `jax.lax.ragged_dot`s over the assignments sorted by expert
+    (the group sizes a device array: `bincount` with a fixed length)."""
+    T, k = idx.shape
     flat = idx.reshape(-1)  # [T·k]
     order = jnp.argsort(flat, stable=True)
     token = order // k  # the token of each sorted assignment
@@ -108,49 +128,37 @@ def grouped_experts(
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
 
 
-# Rows per block of `blocked_experts`: each block is one expert's [BLOCK, E] x [E, F] matmul.
+# Rows per block of `blocked_experts` on the reference (a loop over blocks: fewer, larger).
 BLOCK_ROWS = 256
 
 
+def kernel_block_rows(num_assignments: int, num_experts: int) -> int:
+    """Rows per block for the grouped-matmul kernel: about one block per expert hit (the
+    mean group, a power of two in [16, 128]), so W is read about once per expert."""
+    mean = max(1, num_assignments // num_experts)
+    return min(128, max(MIN_DOT_DIM, pow2_at_least(mean)))
+
+
 def blocked_experts(x, weights, idx, w_up, w_down, activation: str, dtype,
-                    block: int = BLOCK_ROWS) -> jax.Array:  # fmt: skip
-    """`grouped_experts` as a loop over row blocks of one expert each: the assignments sorted
-    by expert, every expert's group padded to a multiple of `block` rows, then one
-    `[block, E] x [E, F]` matmul pair per block with its expert's weights (a dynamic slice,
-    nothing gathered). Static sizes: `T·k + X·(block-1)` rows at most, so at most
-    `X·(block-1)` padding rows of work beyond the routed FLOPs; weights are read once per
-    block."""
+                    block: int | None = None, impl: str = "ref") -> jax.Array:  # fmt: skip
+    """`grouped_experts` over row blocks of one expert each (`kernels.grouped_matmul`): the
+    assignments sorted by expert, every expert's group padded to whole blocks, then a grouped
+    matmul pair (the Pallas kernel, or the reference's loop of one `[block, E] x [E, F]`
+    matmul per block). `block` None: `kernel_block_rows` on the kernel, `BLOCK_ROWS` on the
+    reference. Static sizes: at most `min(X, T·k)·(block-1)` padding rows beyond the routed
+    ones."""
     T, k = idx.shape
     X, E = w_up.shape[0], x.shape[-1]
-    A = T * k
-    nb = -(-(A + X * (block - 1)) // block)  # blocks, static
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    expert = flat[order]  # [A] sorted
-    sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
-    padded = (sizes + block - 1) // block * block
-    padded_end = jnp.cumsum(padded)
-    padded_start = padded_end - padded
-    group_start = jnp.cumsum(sizes) - sizes
-    dest = padded_start[expert] + jnp.arange(A, dtype=jnp.int32) - group_start[expert]  # [A]
-    rows = jnp.full((nb * block,), T, jnp.int32).at[dest].set(order // k)  # T: a zero row
-    xp = jnp.concatenate([x.astype(dtype), jnp.zeros((1, E), dtype)])[rows]
-    xp = xp.reshape(nb, block, E)
-    starts = jnp.arange(nb, dtype=jnp.int32) * block
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), X - 1)
-    precision = matmul_precision(dtype)
+    if block is None:
+        block = kernel_block_rows(T * k, X) if has_kernel(impl) else BLOCK_ROWS
+    layout = build_expert_blocks(idx, X, block)
+    xp = jnp.concatenate([x.astype(dtype), jnp.zeros((1, E), dtype)])[layout.rows]
     w_up, w_down = w_up.astype(dtype), w_down.astype(dtype)
-
-    def one_block(args):
-        xb, e = args
-        h = jnp.dot(xb, w_up[e], precision=precision, preferred_element_type=jnp.float32)
-        h = activate(h, activation).astype(dtype)
-        y = jnp.dot(h, w_down[e], precision=precision, preferred_element_type=jnp.float32)
-        return y.astype(dtype)
-
-    y = lax.map(one_block, (xp, block_expert)).reshape(nb * block, E)[dest]  # [A, E]
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((T, E), jnp.float32).at[order // k].add(y)
+    h = grouped_matmul(xp, w_up, layout.block_expert, out_dtype=jnp.float32, impl=impl)
+    h = activate(h, activation).astype(dtype)
+    y = grouped_matmul(h, w_down, layout.block_expert, impl=impl)  # [NB·BM, E]
+    y = y[layout.position].astype(jnp.float32).reshape(T, k, E)  # assignment order
+    return jnp.sum(y * weights[..., None], axis=1)
 
 
 def gathered_experts(x, weights, idx, w_up, w_down, activation: str, dtype) -> jax.Array:
@@ -178,6 +186,7 @@ class MoE(nn.Module):
     dtype: Dtype = jnp.float32
     small_m_impl: str | None = None  # see Linear (router and shared expert)
     tp: ShardLayout | None = None
+    impl: str = "auto"  # the grouped-matmul kernel's (see grouped_experts)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
@@ -219,7 +228,9 @@ class MoE(nn.Module):
             (X, F, E),
             self.dtype,
         )
-        out = grouped_experts(x, weights, idx, w_up, w_down, cfg.mlp_activation, self.dtype)
+        out = grouped_experts(
+            x, weights, idx, w_up, w_down, cfg.mlp_activation, self.dtype, self.impl
+        )
         out = reduce(out, self.tp)
         if cfg.moe_shared_intermediate_size:
             shared = MLP(

@@ -1,0 +1,61 @@
+"""Grouped matmul ``y[r] = x[r] @ W[e(r)]`` for mixture-of-experts layers: the rows are the
+(token, expert) assignments sorted by expert, in blocks of ``BM`` rows that each belong to one
+expert (``layout.build_expert_blocks``), and ``block_expert`` names each block's expert.
+
+The Pallas GPU kernel (``gpu.py``) reads only the experts a step routes to and skips unused
+blocks; the reference (``ref.py``) loops over the blocks with ``jnp.dot``. No TPU kernel:
+there XLA lowers ``jax.lax.ragged_dot`` to a grouped matmul, which the model uses instead
+(``jaxmamba/model/moe.py``), and ``impl="auto"`` runs the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ..dispatch import select_impl
+from .gpu import GpuBlockSizes, grouped_matmul_gpu
+from .layout import ExpertBlocks, build_expert_blocks, num_blocks
+from .ref import grouped_matmul_ref
+
+__all__ = [
+    "ExpertBlocks",
+    "GpuBlockSizes",
+    "build_expert_blocks",
+    "grouped_matmul",
+    "grouped_matmul_ref",
+    "has_kernel",
+    "num_blocks",
+]
+
+
+def _select(impl: str):
+    return select_impl(
+        "grouped_matmul", impl, ref=grouped_matmul_ref, pallas_gpu=grouped_matmul_gpu
+    )
+
+
+def has_kernel(impl: str) -> bool:
+    """Whether ``impl`` runs the Pallas kernel (not the reference) on this backend."""
+    return _select(impl) is not grouped_matmul_ref
+
+
+def grouped_matmul(
+    x: jax.Array,  # [NB·BM, K]
+    w: jax.Array,  # [X, K, N], same dtype as x
+    block_expert: jax.Array,  # i32[NB] expert of each block; -1 for an unused block
+    *,
+    out_dtype=None,  # default x.dtype
+    impl: str = "auto",
+) -> jax.Array:
+    """``x[block b] @ w[block_expert[b]]`` per block, accumulated in float32, as
+    ``[NB·BM, N]`` in ``out_dtype``. Rows of unused blocks are unspecified (zeros in the
+    reference, unwritten by the kernel)."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected x [R, K] and w [X, K, N]; got x {x.shape}, w {w.shape}")
+    if block_expert.ndim != 1 or x.shape[0] % block_expert.shape[0]:
+        raise ValueError(
+            f"x's {x.shape[0]} rows must be whole blocks: block_expert {block_expert.shape}"
+        )
+    if x.dtype != w.dtype:
+        raise ValueError(f"x and w must share a dtype; got x {x.dtype}, w {w.dtype}")
+    return _select(impl)(x, w, block_expert, out_dtype=out_dtype)
