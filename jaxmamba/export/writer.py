@@ -90,7 +90,6 @@ def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> P
     the former does not load, and an executable whose sort got XLA:CPU's built-in comparator
     was seen refusing to serialize while the same step compiled there did not."""
     import pickle
-    from concurrent.futures import ThreadPoolExecutor
 
     from jax.experimental.serialize_executable import serialize
 
@@ -100,39 +99,25 @@ def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> P
     shutil.copytree(src, out)
     manifest = json.loads((out / MANIFEST).read_text())
     platform = runtime_platform()
-    todo = [e for e in manifest["buckets"] if platform in e["files"]
-            and (e["num_tokens"], e["num_rows"], e["num_decode"]) in runner.compiled]  # fmt: skip
-
-    def rel_of(entry) -> str:
-        return entry["files"][platform]["path"].replace(".jaxexport", ".executable")
-
-    def store_fresh(entry) -> bool:
-        """Serialize and write the runner's own compile of the bucket; False if there is none
-        to serialize (it came from the cache, or XLA cannot serialize it as it is)."""
-        compiled, fresh = runner.compiled[entry["num_tokens"], entry["num_rows"],
-                                          entry["num_decode"]]  # fmt: skip
-        if not fresh:
-            return False
-        try:
-            blob = pickle.dumps(serialize(compiled))
-        except jax.errors.JaxRuntimeError:  # XLA:CPU: "`LessThan` is not serializable"
-            return False
-        (out / rel_of(entry)).write_bytes(blob)
-        return True
-
-    # In threads: serializing, pickling and writing hundreds of MB release the GIL.
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        stored = list(pool.map(store_fresh, todo))
-    for entry, done in zip(todo, stored, strict=True):
-        if not done:  # one at a time: compile_serialized turns the cache off around it
+    for entry in manifest["buckets"]:
+        key = (entry["num_tokens"], entry["num_rows"], entry["num_decode"])
+        if key not in runner.compiled or platform not in entry["files"]:
+            continue
+        compiled, fresh = runner.compiled[key]
+        rel = entry["files"][platform]["path"].replace(".jaxexport", ".executable")
+        blob = None
+        if fresh:
+            try:
+                blob = pickle.dumps(serialize(compiled))
+            except jax.errors.JaxRuntimeError:  # XLA:CPU: "`LessThan` is not serializable"
+                blob = None
+        if blob is None:
             exported = jax.export.deserialize(bytearray((out / entry["files"][platform]["path"])
                                                         .read_bytes()))  # fmt: skip
-            (out / rel_of(entry)).write_bytes(compile_serialized(exported))
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(lambda e: sha256(out / rel_of(e)), todo))
-    for entry, digest in zip(todo, digests, strict=True):
+            blob = compile_serialized(exported)
+        (out / rel).write_bytes(blob)
         entry.setdefault("executables", {})[platform] = {
-            "path": rel_of(entry), "sha256": digest, "device": device_key()
+            "path": rel, "sha256": sha256(out / rel), "device": device_key()
         }  # fmt: skip
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return out
