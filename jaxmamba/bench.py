@@ -142,11 +142,11 @@ def bench_one_batch(
 ) -> list[BenchResult]:
     """Time the phases asked for. A decode-only run fills the cache with prefills of at most
     ``max_setup_tokens`` tokens (whole rows per step, one bucket), so a large batch at a long
-    context does not need one giant prefill; with ``fill_cache=False`` it skips them (the
-    decode steps read the cache's initial values: the same kernels over the same lengths, so
-    the same work, without the set-up prefills' compiles). The timed prefill is always one
-    step. With ``trace_dir``, each timed phase runs once more under the JAX profiler, into
-    ``trace_dir/<phase>``."""
+    context does not need one giant prefill; with ``fill_cache=False`` it fills the cache with
+    random values instead (the same kernels over the same lengths, so the same work, and rows
+    that differ, so MoE rows route apart, without the set-up prefills' compiles). The timed
+    prefill is always one step. With ``trace_dir``, each timed phase runs once more under the
+    JAX profiler, into ``trace_dir/<phase>``."""
     for name, value in (("batch", batch), ("input_len", input_len), ("output_len", output_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -189,6 +189,14 @@ def bench_one_batch(
             runner.step(builder.build(group, setup_bucket), 0)
         jax.block_until_ready(runner.cache)
         log(f"  set-up prefill {batch}x{input_len} in {time.perf_counter() - start:.1f} s")
+    else:  # distinct random states per row, so rows route like rows after distinct prompts
+        leaves, tree = jax.tree.flatten(runner.cache)
+        keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+        runner.cache = jax.tree.unflatten(tree, [
+            0.5 * jax.random.normal(key, x.shape, x.dtype)
+            if jnp.issubdtype(x.dtype, jnp.floating) else x
+            for key, x in zip(keys, leaves, strict=True)
+        ])  # fmt: skip
 
     def decode_inputs(step):
         rows = [RowSpec([0], input_len + step, r, pages(r), token_from_device=True)

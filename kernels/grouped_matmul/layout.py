@@ -51,6 +51,8 @@ def build_expert_blocks(
     rows = jnp.full((nb * block_rows,), T, jnp.int32).at[dest].set(order // k)
     position = jnp.zeros((A,), jnp.int32).at[order].set(dest)
     starts = jnp.arange(nb, dtype=jnp.int32) * block_rows
-    block_expert = jnp.searchsorted(padded_end, starts, side="right").astype(jnp.int32)
+    # The first expert whose padded group ends after the block's start, as one compare and
+    # count (`searchsorted`'s default method is a loop).
+    block_expert = jnp.sum(padded_end[None, :] <= starts[:, None], axis=1, dtype=jnp.int32)
     block_expert = jnp.where(starts < padded_end[-1], block_expert, -1)
     return ExpertBlocks(rows, position, block_expert)
