@@ -34,6 +34,7 @@ from .conv1d import (
     token_seq_ids,
 )
 from .dispatch import IMPLS, select_impl
+from .mamba_decode import mamba2_decode, mamba2_decode_ref
 from .matmul import small_m_matmul, small_m_matmul_ref
 from .ssd import ChunkLayout, build_chunk_layout, num_chunks, ssd_varlen, ssd_varlen_ref
 from .state_update import selective_state_update, selective_state_update_ref
@@ -47,6 +48,8 @@ __all__ = [
     "causal_conv1d_varlen",
     "causal_conv1d_varlen_ref",
     "conv_window_indices",
+    "mamba2_decode",
+    "mamba2_decode_ref",
     "num_chunks",
     "paged_attention",
     "paged_attention_ref",

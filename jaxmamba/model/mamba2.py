@@ -1,11 +1,12 @@
 """The Mamba2 mixer over a step's packed tokens, reading and writing its layer's state pools.
 
-Decode rows go through the single-token conv update and the selective state update (state
-read and written once, in place by slot); prefill/extend rows go through the varlen causal
-conv and the chunked SSD scan, starting from their initial state and writing their final
-state — and, for rows that track this step, the checkpoints at the tracked lengths (up to
-`MAX_PREFILL_CHECKPOINTS` per row: the SSD scan's chunk-boundary states, and the K-1 conv
-inputs before each length gathered from the pre-conv input and the initial conv state).
+Decode rows go through `mamba2_decode` (the single-token conv update and the selective state
+update from the in_proj output, each state read and written once, in place by slot);
+prefill/extend rows go through the varlen causal conv and the chunked SSD scan, starting
+from their initial state and writing their final state — and, for rows that track this
+step, the checkpoints at the tracked lengths (up to `MAX_PREFILL_CHECKPOINTS` per row: the
+SSD scan's chunk-boundary states, and the K-1 conv inputs before each length gathered from
+the pre-conv input and the initial conv state).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, windows_at
+from jaxmamba.kernels.conv1d import causal_conv1d_varlen, windows_at
+from jaxmamba.kernels.mamba_decode import mamba2_decode
 from jaxmamba.kernels.ssd import ssd_varlen
-from jaxmamba.kernels.state_update import selective_state_update
 from jaxmamba.model.layers import Dtype, GatedGroupRMSNorm, Linear
 from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.parallel.collectives import ShardLayout
@@ -120,24 +121,14 @@ class Mamba2Mixer(nn.Module):
         bd = 0 if meta.decode is None else meta.decode.state_slots.shape[0]  # decode tokens
         if meta.decode is not None:
             dec = meta.decode
-            xbc_d, conv_pool = causal_conv1d_update(
-                conv_pool,
-                xbc[:bd],
-                weight,
-                bias,
-                dec.state_slots,
-                activation="silu",
-                impl=self.impl,
-            )
-            x_d, b_d, c_d = split_xbc(xbc_d)
-            # HF and the reference kernels clamp dt only in the chunked (prefill) path.
-            y_d, ssm_pool = selective_state_update(
-                ssm_pool, x_d, dt[:bd], A, b_d, c_d, dec.state_slots,
-                D=d_skip, dt_bias=dt_bias, dt_softplus=True, impl=self.impl,
+            # One op from the in_proj output: conv update, state update, and the few tracking
+            # rows' checkpoint copies (unused entries: pad → pad). HF and the reference
+            # kernels clamp dt only in the chunked (prefill) path.
+            y_d, conv_pool, ssm_pool = mamba2_decode(
+                conv_pool, ssm_pool, zxbcdt, weight, bias, A, dec.state_slots,
+                D=d_skip, dt_bias=dt_bias, dt_softplus=True,
+                track_src=dec.track_src_slots, track_dst=dec.track_dst_slots, impl=self.impl,
             )  # fmt: skip
-            # Decode checkpoints: copy the few tracking rows' new states (unused: pad → pad).
-            conv_pool = conv_pool.at[dec.track_dst_slots].set(conv_pool[dec.track_src_slots])
-            ssm_pool = ssm_pool.at[dec.track_dst_slots].set(ssm_pool[dec.track_src_slots])
             outputs.append(y_d)
 
         if meta.prefill is not None:
