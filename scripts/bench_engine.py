@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 
@@ -33,6 +34,7 @@ from jaxmamba.bench import (
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
 from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.kernels.mamba_decode import FUSED_ENV
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.params import init_params
 
@@ -92,6 +94,14 @@ def main() -> None:
         help="run every case once per value: 'none' (XLA's dot) or the impl of small_m_matmul "
         "for the projections of decode-sized steps (e.g. 'auto')",
     )
+    p.add_argument(
+        "--fused-mamba-decode",
+        nargs="+",
+        default=["default"],
+        choices=["default", "1", "0"],
+        help="run every case once per value: $JAXMAMBA_FUSED_MAMBA_DECODE for the decode "
+        "step (1: the fused kernels, 0: the conv and state-update chain, default: unset)",
+    )
     p.add_argument("--compare-tokens", type=int, default=0, help="pallas-vs-ref prefill check")
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--out", default="bench.json")
@@ -112,14 +122,19 @@ def main() -> None:
     results: list[BenchResult] = []
     profiles: list[str] = []
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": []}
-    runs = [(*case, small_m) for case in cases for small_m in args.small_m_impls]
-    for phase, batch, length, small_m in runs:
+    runs = [(*case, small_m, fused) for case in cases for small_m in args.small_m_impls
+            for fused in args.fused_mamba_decode]  # fmt: skip
+    for phase, batch, length, small_m, fused in runs:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: skipping {phase} {batch}x{length}")
             continue
         start = time.perf_counter()
         case = f"{phase[0]}{batch}" + (f"x{length}" if phase == "prefill" else "")
         name = case + (f"-small_m_{small_m}" if len(args.small_m_impls) > 1 else "")
+        name += f"-fused_{fused}" if len(args.fused_mamba_decode) > 1 else ""
+        os.environ.pop(FUSED_ENV, None)
+        if fused != "default":
+            os.environ[FUSED_ENV] = fused
         print(f"{name}: small_m_impl={small_m}", flush=True)
         trace_dir = f"{args.trace_dir}/{name}" if case in args.profile_cases else None
         try:
@@ -129,7 +144,8 @@ def main() -> None:
                                   repeats=3, phases=(phase,), trace_dir=trace_dir,
                                   log=lambda m: print(m, flush=True))  # fmt: skip
             results += res
-            record["cases"] += [dict(r.__dict__, small_m_impl=small_m) for r in res]
+            record["cases"] += [dict(r.__dict__, small_m_impl=small_m, fused_mamba_decode=fused)
+                                for r in res]  # fmt: skip
             if trace_dir:
                 steps = 1 if phase == "prefill" else args.output_len
                 summary = summarize_trace(f"{trace_dir}/{phase}", steps)
