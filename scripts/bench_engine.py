@@ -144,6 +144,7 @@ def main() -> None:
                                   repeats=3, phases=(phase,), trace_dir=trace_dir,
                                   log=lambda m: print(m, flush=True))  # fmt: skip
             results += res
+            print(format_results(res), flush=True)
             record["cases"] += [dict(r.__dict__, small_m_impl=small_m, fused_mamba_decode=fused)
                                 for r in res]  # fmt: skip
             if trace_dir:
