@@ -102,6 +102,11 @@ def main() -> None:
         help="run every case once per value: $JAXMAMBA_FUSED_MAMBA_DECODE for the decode "
         "step (1: the fused kernels, 0: the conv and state-update chain, default: unset)",
     )
+    p.add_argument(
+        "--no-fill-cache",
+        action="store_true",
+        help="decode cases skip the set-up prefills (bench_one_batch fill_cache=False)",
+    )
     p.add_argument("--compare-tokens", type=int, default=0, help="pallas-vs-ref prefill check")
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--out", default="bench.json")
@@ -142,6 +147,7 @@ def main() -> None:
                                   output_len=args.output_len, dtype=dtype, impl=args.impl,
                                   small_m_impl=None if small_m == "none" else small_m,
                                   repeats=3, phases=(phase,), trace_dir=trace_dir,
+                                  fill_cache=not args.no_fill_cache,
                                   log=lambda m: print(m, flush=True))  # fmt: skip
             results += res
             print(format_results(res), flush=True)
