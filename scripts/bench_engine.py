@@ -140,6 +140,8 @@ def main() -> None:
         os.environ.pop(FUSED_ENV, None)
         if fused != "default":
             os.environ[FUSED_ENV] = fused
+        if len(args.fused_mamba_decode) > 1:
+            jax.clear_caches()  # the step's jit is module-level: retrace, reading the switch
         print(f"{name}: small_m_impl={small_m}", flush=True)
         trace_dir = f"{args.trace_dir}/{name}" if case in args.profile_cases else None
         try:

@@ -4,8 +4,7 @@ states, the decode checkpoint, and HF's greedy tokens."""
 
 from __future__ import annotations
 
-import functools
-
+import jax
 import numpy as np
 import pytest
 from family_checks import assert_logits_close, hf_greedy, hf_logits
@@ -31,10 +30,24 @@ def checkpoint(tmp_path_factory):
     return path, model
 
 
-def _fused(monkeypatch):
-    """The model's decode op with the fused GPU kernels, interpreted (on CPU `auto` would
-    take the reference chain)."""
-    monkeypatch.setattr(mamba2, "mamba2_decode", functools.partial(mamba2_decode, impl="interpret"))
+@pytest.fixture
+def fused_decode(monkeypatch):
+    """Switches the model's decode op to the fused GPU kernels, interpreted (on CPU `auto`
+    takes the reference chain), when called; returns how often the op was traced since. The
+    step's jit is module-level, so its traces are dropped on the way in and out."""
+    traced = []
+
+    def interpreted(*args, **kwargs):
+        traced.append(1)
+        return mamba2_decode(*args, **{**kwargs, "impl": "interpret"})
+
+    def switch():
+        monkeypatch.setattr(mamba2, "mamba2_decode", interpreted)
+        jax.clear_caches()
+        return traced
+
+    yield switch
+    jax.clear_caches()
 
 
 def _decode(cfg, params, prompts, continuations):
@@ -54,7 +67,7 @@ def _decode(cfg, params, prompts, continuations):
     return np.stack(logits), runner.cache
 
 
-def test_fused_decode_logits_and_states_match_unfused_path_and_hf(checkpoint, monkeypatch):
+def test_fused_decode_logits_and_states_match_unfused_path_and_hf(checkpoint, fused_decode):
     path, model = checkpoint
     cfg = ModelConfig.load(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=np.float32)
@@ -64,8 +77,9 @@ def test_fused_decode_logits_and_states_match_unfused_path_and_hf(checkpoint, mo
     greedy = hf_greedy(model, prompts[0], STEPS + 1)[0]
     continuations = [greedy[:STEPS], *random_prompts(rng, [STEPS], cfg.vocab_size)]
     unfused, cache_u = _decode(cfg, params, prompts, continuations)
-    _fused(monkeypatch)
+    traced = fused_decode()
     fused, cache_f = _decode(cfg, params, prompts, continuations)
+    assert len(traced) == cfg.num_mamba_layers  # one decode trace, every Mamba layer on it
 
     np.testing.assert_allclose(fused, unfused, atol=2e-5, rtol=1e-5)
     pad = cache_f.ssm[0].shape[0] - 1
