@@ -129,6 +129,10 @@ def test_gathered_blocked_kernel_and_ragged_expert_matmuls_agree(activation, wid
         np.testing.assert_allclose(np.asarray(blocked), np.asarray(ragged), rtol=2e-5, atol=2e-5)
     kernel = blocked_experts(*args, impl="interpret")  # the Pallas kernel, 16-row blocks
     np.testing.assert_allclose(np.asarray(kernel), np.asarray(ragged), rtol=2e-5, atol=2e-5)
+    one = (x[:1], weights[:1], idx[:1], *args[3:])  # 2 assignments of 8 experts: a block each
+    want = np.asarray(gathered_experts(*one))
+    got = np.asarray(blocked_experts(*one, impl="interpret"))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     # A plain loop over tokens and their experts.
     act = (lambda h: np.square(np.maximum(h, 0))) if activation == "relu2" else (
         lambda h: h[:F] / (1 + np.exp(-h[:F])) * h[F:]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmamba.kernels.grouped_matmul import (
+    assignment_blocks,
     build_expert_blocks,
     grouped_matmul,
     grouped_matmul_ref,
@@ -46,9 +47,20 @@ def test_layout_puts_each_assignment_in_a_block_of_its_expert(T, k, X, bm):
     assert used[: used.sum()].all() and np.all(np.diff(lay.block_expert[used]) >= 0)
 
 
-def _case(T, k, X, K, N, bm, dtype, seed):
+def test_assignment_blocks_give_each_assignment_a_block_of_its_expert():
+    idx = _routing(3, 4, 16, seed=5)
+    lay = jax.tree.map(np.asarray, assignment_blocks(jnp.asarray(idx), 16))
+    np.testing.assert_array_equal(lay.block_expert, idx.reshape(-1))
+    np.testing.assert_array_equal(lay.rows[lay.position], np.repeat(np.arange(3), 4))
+    assert (np.delete(lay.rows, lay.position) == 3).all() and lay.rows.shape == (12 * 16,)
+
+
+def _case(T, k, X, K, N, bm, dtype, seed, per_assignment=False):
     idx = _routing(T, k, X, seed, skew=True)
-    lay = build_expert_blocks(jnp.asarray(idx), X, bm)
+    if per_assignment:
+        lay = assignment_blocks(jnp.asarray(idx), bm)
+    else:
+        lay = build_expert_blocks(jnp.asarray(idx), X, bm)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((T, K))
     w = rng.standard_normal((X, K, N)) * K**-0.5
@@ -66,15 +78,17 @@ def _assert_close(got, want, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
-    "T, k, X, bm, block_sizes",
+    "T, k, X, bm, block_sizes, per_assignment",
     [
-        (1, 6, 16, 16, SMALL),  # decode: six single-row groups
-        (29, 3, 8, 16, SMALL),  # groups longer than a block
-        (29, 3, 8, 32, GpuBlockSizes(block_n=64, block_k=16, num_warps=4, num_stages=2)),
+        (1, 6, 16, 16, SMALL, False),  # decode: six single-row groups
+        (2, 3, 16, 16, SMALL, True),  # decode: a block per assignment
+        (29, 3, 8, 16, SMALL, False),  # groups longer than a block
+        (29, 3, 8, 32, GpuBlockSizes(block_n=64, block_k=16, num_warps=4, num_stages=2), False),
     ],
 )
-def test_kernel_matches_reference_and_float64(T, k, X, bm, block_sizes, dtype):
-    xp, w, lay, want = _case(T, k, X, 72, 50, bm, dtype, seed=T + bm)
+def test_kernel_matches_reference_and_float64(T, k, X, bm, block_sizes, per_assignment, dtype):
+    xp, w, lay, want = _case(T, k, X, 72, 50, bm, dtype, seed=T + bm,
+                             per_assignment=per_assignment)  # fmt: skip
     got = grouped_matmul_gpu(xp, w, lay.block_expert, interpret=True, block_sizes=block_sizes)
     assert got.shape == (xp.shape[0], 50) and got.dtype == xp.dtype
     rows = np.asarray(lay.position)

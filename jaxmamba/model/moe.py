@@ -29,7 +29,12 @@ from jax import lax
 from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.common import MIN_DOT_DIM, pow2_at_least
 from jaxmamba.kernels.dispatch import current_platform
-from jaxmamba.kernels.grouped_matmul import build_expert_blocks, grouped_matmul, has_kernel
+from jaxmamba.kernels.grouped_matmul import (
+    assignment_blocks,
+    build_expert_blocks,
+    grouped_matmul,
+    has_kernel,
+)
 from jaxmamba.model.layers import MLP, Dtype, Linear, activate, matmul_precision
 from jaxmamba.parallel.collectives import ShardLayout, reduce
 
@@ -146,12 +151,17 @@ def blocked_experts(x, weights, idx, w_up, w_down, activation: str, dtype,
     matmul pair (the Pallas kernel, or the reference's loop of one `[block, E] x [E, F]`
     matmul per block). `block` None: `kernel_block_rows` on the kernel, `BLOCK_ROWS` on the
     reference. Static sizes: at most `min(X, T·k)·(block-1)` padding rows beyond the routed
-    ones."""
+    ones. On the kernel, at most `X/4` assignments take a block each (`assignment_blocks`:
+    the layout without a sort or scatters; a shared expert is then read once per token)."""
     T, k = idx.shape
     X, E = w_up.shape[0], x.shape[-1]
+    kernel = has_kernel(impl)
     if block is None:
-        block = kernel_block_rows(T * k, X) if has_kernel(impl) else BLOCK_ROWS
-    layout = build_expert_blocks(idx, X, block)
+        block = kernel_block_rows(T * k, X) if kernel else BLOCK_ROWS
+    if kernel and 4 * T * k <= X:  # few assignments: a block each, no sort
+        layout = assignment_blocks(idx, block)
+    else:
+        layout = build_expert_blocks(idx, X, block)
     xp = jnp.concatenate([x.astype(dtype), jnp.zeros((1, E), dtype)])[layout.rows]
     w_up, w_down = w_up.astype(dtype), w_down.astype(dtype)
     h = grouped_matmul(xp, w_up, layout.block_expert, out_dtype=jnp.float32, impl=impl)

@@ -14,12 +14,13 @@ import jax
 
 from ..dispatch import select_impl
 from .gpu import GpuBlockSizes, grouped_matmul_gpu
-from .layout import ExpertBlocks, build_expert_blocks, num_blocks
+from .layout import ExpertBlocks, assignment_blocks, build_expert_blocks, num_blocks
 from .ref import grouped_matmul_ref
 
 __all__ = [
     "ExpertBlocks",
     "GpuBlockSizes",
+    "assignment_blocks",
     "build_expert_blocks",
     "grouped_matmul",
     "grouped_matmul_ref",

@@ -5,7 +5,8 @@ The assignments are sorted by expert and each expert's group is padded to whole 
 ``block_rows`` rows, so every block belongs to one expert. Shapes are static: ``A = T·k``
 assignments touch at most ``min(X, A)`` experts, each with at most one partial block, so
 ``num_blocks(A, X, block_rows)`` blocks hold any routing; the blocks past the last used one
-are marked unused (expert -1).
+are marked unused (expert -1). For a handful of assignments, `assignment_blocks` gives each
+its own block instead: no sort, no counts, nothing scattered.
 """
 
 from __future__ import annotations
@@ -56,3 +57,18 @@ def build_expert_blocks(
     block_expert = jnp.sum(padded_end[None, :] <= starts[:, None], axis=1, dtype=jnp.int32)
     block_expert = jnp.where(starts < padded_end[-1], block_expert, -1)
     return ExpertBlocks(rows, position, block_expert)
+
+
+def assignment_blocks(
+    idx: jax.Array,  # i32[T, k] expert of each assignment
+    block_rows: int,
+) -> ExpertBlocks:
+    """One block per assignment (its token in the block's first row, the rest padding): the
+    layout of a decode step with few tokens, built from iotas alone. An expert two tokens
+    share is read once per token, so this suits `T·k` well under `X`."""
+    T, k = idx.shape
+    A = T * k
+    first = jnp.arange(block_rows, dtype=jnp.int32)[None, :] == 0
+    rows = jnp.where(first, jnp.arange(A, dtype=jnp.int32)[:, None] // k, T)
+    position = jnp.arange(A, dtype=jnp.int32) * block_rows
+    return ExpertBlocks(rows.reshape(-1), position, idx.reshape(-1).astype(jnp.int32))
