@@ -63,12 +63,21 @@ def _aligned(start, *parts: int):
     return pl.multiple_of(start, functools.reduce(math.gcd, parts))
 
 
-def _track_stores(num_tracks: int, pad_slot: int, slot, src_ref, dst_ref, store) -> None:
-    """``store(dst)`` for each checkpoint entry whose source is this program's slot."""
+def _track_targets(num_tracks: int, pad_slot: int, slot, src_ref, dst_ref) -> list:
+    """``(whether, dst)`` for each checkpoint entry: whether its source is this program's slot
+    (and its target not the pad slot). Loaded once a program, before the state arrives."""
+    targets = []
     for j in range(num_tracks):
         dst = dst_ref[j]
+        targets.append(((src_ref[j] == slot) & (dst != pad_slot), dst))
+    return targets
 
-        @pl.when((src_ref[j] == slot) & (dst != pad_slot))
+
+def _store_tracked(targets: list, store) -> None:
+    """``store(dst)`` for each checkpoint entry of this program's slot."""
+    for whether, dst in targets:
+
+        @pl.when(whether)
         def _(dst=dst):
             store(dst)
 
@@ -87,6 +96,7 @@ def _conv_kernel(
     slot = slots_ref[row]
     x = zx_ref[row, pl.ds(_aligned(lay.xbc_col + d0, lay.xbc_col, bd), bd)]
     window = [state_ref[slot, tap, d] for tap in range(k - 1)] + [x.astype(state_ref.dtype)]
+    targets = _track_targets(num_tracks, pad_slot, slot, src_ref, dst_ref)
     acc = jnp.zeros((bd,), _F32)
     for tap in range(k):
         acc = acc + w_ref[tap, d].astype(_F32) * window[tap].astype(_F32)
@@ -96,7 +106,7 @@ def _conv_kernel(
             state_out_ref[dst, tap, d] = window[tap + 1]
 
     store(slot)
-    _track_stores(num_tracks, pad_slot, slot, src_ref, dst_ref, store)
+    _store_tracked(targets, store)
     if bias_ref is not None:
         acc = acc + bias_ref[d].astype(_F32)
     y_ref[row, d] = act(acc).astype(y_ref.dtype)
@@ -138,6 +148,7 @@ def _state_kernel(
     bs = [xbc_ref[row, pl.ds(_aligned(b_col + n.start, lay.b_col, n_dim, bn), bn)] for n in ns]
     cs = [xbc_ref[row, pl.ds(_aligned(c_col + n.start, lay.c_col, n_dim, bn), bn)] for n in ns]
     dt = zx_ref[row, lay.dt_col + head]
+    targets = _track_targets(opts.num_tracks, opts.pad_slot, slot, src_ref, dst_ref)
     bias = None if bias_ref is None else bias_ref[head]
     skip = None if d_ref is None else d_ref[head].astype(_F32)
     a = a_ref[head].astype(_F32)
@@ -155,7 +166,7 @@ def _state_kernel(
                 state_out_ref[dst, head, p, n] = new
 
             store(slot)
-            _track_stores(opts.num_tracks, opts.pad_slot, slot, src_ref, dst_ref, store)
+            _store_tracked(targets, store)
             y = y + jnp.sum(hij * cs[j].astype(_F32)[None, :], axis=1)
         if skip is not None:
             y = y + skip * x
