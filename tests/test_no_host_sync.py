@@ -11,6 +11,7 @@ import pytest
 
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
+from jaxmamba.engine.runner import FULL, PLAIN
 from jaxmamba.model.params import init_params
 
 from model_helpers import builder, make_runner, row
@@ -40,7 +41,7 @@ def prefill_rows(rng, lengths, vocab, first_slot=0):
     ]
 
 
-def step_primitives(runner, bucket, seed=2):
+def step_primitives(runner, bucket, seed=2, sampler=FULL):
     rng = np.random.default_rng(seed)
     vocab = runner.cfg.vocab_size
     rows = [row([int(rng.integers(vocab))], 5, slot=i) for i in range(bucket.num_decode)]
@@ -48,7 +49,7 @@ def step_primitives(runner, bucket, seed=2):
         : bucket.num_rows - bucket.num_decode
     ]
     inputs = builder(runner).build(rows, bucket)
-    step = functools.partial(runner._step_fn, num_decode=bucket.num_decode)
+    step = functools.partial(runner._step_fn, num_decode=bucket.num_decode, sampler=sampler)
     return primitive_names(jax.make_jaxpr(step)(runner.params, runner.cache, runner.slot_state,
                                                 inputs).jaxpr)  # fmt: skip
 
@@ -71,6 +72,45 @@ def test_prefill_step_has_no_device_branch(runner):
     assert "cond" not in step_primitives(runner, Bucket(32, 4, 2))
 
 
+def test_plain_sampler_variant_has_no_sort_and_no_branch(runner):
+    """The decode step's PLAIN sampler leaves out the sort (the cut-off) and the top-k (top
+    logprobs); the FULL one has both. Neither branches on the device."""
+    full = step_primitives(runner, Bucket(4, 4, 4))
+    plain = step_primitives(runner, Bucket(4, 4, 4), sampler=PLAIN)
+    assert {"sort", "top_k"} <= full
+    assert not {"sort", "top_k", "cond", "switch"} & plain
+
+
+# (row parameters of a decode step, does a row read the top logprobs) -> the variant chosen
+VARIANT_CASES = [
+    ([{}, {}, {}], False, PLAIN),  # greedy
+    ([dict(temperature=1.0), dict(temperature=0.5, seed=3)], False, PLAIN),  # unfiltered draws
+    ([dict(top_k=5, top_p=0.5, min_p=0.2)], False, PLAIN),  # filters on a greedy row do nothing
+    ([dict(temperature=0.7, top_k=1000)], False, PLAIN),  # top_k >= vocab keeps everything
+    ([dict(frequency_penalty=0.5, logit_bias={3: 2.0}, min_tokens=2, stop_ids=(1,))], False,
+     PLAIN),
+    ([{}, dict(temperature=0.7, top_k=5)], False, FULL),  # one filtered row: the whole step
+    ([{}, dict(temperature=0.7, top_p=0.9)], False, FULL),
+    ([dict(temperature=0.7, min_p=0.1), {}], False, FULL),
+    ([{}, {}], True, FULL),  # a row reads the top logprobs
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("params, asks, expected", VARIANT_CASES)
+def test_decode_steps_take_the_plain_sampler_only_if_no_row_needs_the_full(runner, params, asks,
+                                                                           expected):  # fmt: skip
+    assert runner.cfg.vocab_size <= 1000
+    rows = [row([1], 5, slot=i, **kw) for i, kw in enumerate(params)]
+    inputs = builder(runner).build(rows, Bucket(4, 4, 4))
+    assert runner.sampler_variant(inputs, 4, top_logprobs=asks) == expected
+
+
+def test_steps_with_prefill_rows_take_the_full_sampler(runner):
+    rows = [row([1], 5, slot=0), row([1, 2, 3], 0, slot=1)]
+    inputs = builder(runner).build(rows, Bucket(32, 4, 2), num_decode_rows=1)
+    assert runner.sampler_variant(inputs, 2, top_logprobs=False) == FULL
+
+
 def test_steps_run_under_transfer_guard_without_recompiling(runner):
     bld = builder(runner)
     rng = np.random.default_rng(1)
@@ -79,12 +119,14 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
 
     def run(rows, bucket):
         with jax.transfer_guard("disallow"):
-            packed = runner.step(bld.build(rows, bucket), bucket.num_decode)
+            packed = runner.step(bld.build(rows, bucket), bucket.num_decode, top_logprobs=False)
             return jax.device_get(packed)  # explicit: the one read per step
 
     run(prefill_rows(rng, [20, 7, 1, 30], vocab), prefill_bucket)
-    run([row([1], 20, slot=0)], decode_bucket)
+    run([row([1], 20, slot=0)], decode_bucket)  # the PLAIN sampler
+    run([row([1], 20, slot=0, temperature=1.0, top_k=3)], decode_bucket)  # the FULL one
     warm = runner.num_compiles
+    steps = dict(runner.variant_steps)
     # Different compositions inside the same buckets: row counts, lengths, slots, sampling.
     for lengths in ([1], [63], [16, 16, 16, 16], [5, 40]):
         run(prefill_rows(rng, lengths, vocab, first_slot=2), prefill_bucket)
@@ -100,4 +142,8 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
             for i in range(n)
         ]
         run(rows, decode_bucket)
+        # Without the filtered mix: the PLAIN sampler.
+        run([r for r in rows if r.top_k == 0], decode_bucket)
     assert runner.num_compiles == warm
+    assert runner.variant_steps[PLAIN] - steps[PLAIN] == 3
+    assert runner.variant_steps[FULL] - steps[FULL] == 4 + 3  # the prefill steps, the mixes

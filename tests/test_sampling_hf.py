@@ -30,6 +30,7 @@ from jaxmamba.model.sampling import (
     Penalties,
     apply_penalties,
     filter_cutoff,
+    needs_cutoff,
     sample,
 )
 
@@ -133,6 +134,71 @@ def test_draw_frequencies_match_the_renormalised_hf_distribution(temperature, to
     assert counts[~kept].sum() == 0
     _, p_value = scipy.stats.chisquare(counts[kept], probs[kept] * draws)
     assert p_value > FALSE_ALARM_RATE, (p_value, counts[kept], probs[kept] * draws)
+
+
+def test_sort_free_draws_match_the_hf_distribution_when_no_row_filters(temperature=0.6):
+    """`sample(cutoff=False)`, the program of steps where `needs_cutoff` is False, draws from
+    HF's tempered distribution."""
+    rng = np.random.default_rng(8)
+    vocab, draws = 24, 20000
+    logits = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
+    temperatures = np.full(draws, temperature, np.float32)
+    ones, zeros = np.ones(draws, np.float32), np.zeros(draws, np.float32)
+    assert not needs_cutoff(temperatures, np.zeros(draws, np.int32), ones, zeros, vocab)
+    scores = hf_scores(logits, temperature, 0, 1.0, 0.0).astype(np.float64)
+    probs = np.exp(scores - scores.max())
+    probs /= probs.sum()
+    out = sample(
+        jnp.broadcast_to(jnp.asarray(logits), (draws, vocab)), jnp.asarray(temperatures),
+        jnp.asarray(ones), jnp.zeros((draws,), jnp.int32), jnp.arange(draws, dtype=jnp.uint32),
+        jnp.zeros((draws,), jnp.int32), jnp.asarray(zeros), cutoff=False, top_logprobs=False,
+    )  # fmt: skip
+    counts = np.bincount(np.asarray(out.tokens), minlength=vocab)
+    _, p_value = scipy.stats.chisquare(counts, probs * draws)
+    assert p_value > FALSE_ALARM_RATE, (p_value, counts, probs * draws)
+    assert not np.asarray(out.top_ids).any() and not np.asarray(out.top_logprobs).any()
+
+
+def test_sort_free_sampler_gives_the_full_samplers_tokens_logprobs_and_ranks():
+    """Rows that do not filter (greedy with any top-k/top-p/min-p, draws without them, top_k
+    past the vocabulary) with ties, penalties, logit_bias and min_tokens: the program without
+    the sort gives exactly the full one's tokens, logprobs and ranks."""
+    rng = np.random.default_rng(21)
+    rows, vocab = 64, 300
+    logits, temperature, top_k, top_p, min_p = random_rows(rng, rows, vocab)
+    drawing = rng.random(rows) < 0.5
+    temperature = np.where(drawing, temperature, 0.0).astype(np.float32)
+    top_k = np.where(drawing, rng.choice([0, vocab, vocab + 5], rows), top_k).astype(np.int32)
+    top_p = np.where(drawing, 1.0, top_p).astype(np.float32)
+    min_p = np.where(drawing, 0.0, min_p).astype(np.float32)
+    assert not needs_cutoff(temperature, top_k, top_p, min_p, vocab)
+    assert needs_cutoff(np.r_[temperature, 0.5], np.r_[top_k, 3], np.r_[top_p, 1.0],
+                        np.r_[min_p, 0.0], vocab)  # fmt: skip
+    bias_ids = np.stack([padded(rng.choice(vocab, 4, replace=False), MAX_LOGIT_BIAS, -1,
+                                np.int32) for _ in range(rows)])  # fmt: skip
+    bias_values = np.where(bias_ids >= 0, rng.uniform(-5, 5, bias_ids.shape), 0)
+    stop = np.stack([padded(rng.choice(vocab, 2, replace=False), MAX_STOP_IDS, -1, np.int32)
+                     for _ in range(rows)])  # fmt: skip
+    penalties = Penalties(
+        jnp.asarray(rng.random((rows, vocab)) < 0.05),
+        jnp.asarray(rng.integers(0, 3, (rows, vocab)) * (rng.random((rows, vocab)) < 0.03)),
+        jnp.asarray(rng.uniform(-1, 1, rows), jnp.float32),
+        jnp.asarray(rng.uniform(-1, 1, rows), jnp.float32),
+        jnp.asarray(rng.uniform(0.7, 1.5, rows), jnp.float32),
+    )
+    args = (
+        jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k),
+        jnp.asarray(rng.integers(0, 2**31, rows), jnp.uint32),
+        jnp.asarray(rng.integers(0, 6, rows), jnp.int32), jnp.asarray(min_p),
+        jnp.asarray(rng.integers(0, 6, rows), jnp.int32), jnp.asarray(stop),
+        jnp.asarray(bias_ids), jnp.asarray(bias_values, jnp.float32), penalties,
+    )  # fmt: skip
+    full = sample(*args)
+    plain = sample(*args, cutoff=False, top_logprobs=False)
+    for name in ("tokens", "logprobs", "ranks"):
+        np.testing.assert_array_equal(np.asarray(getattr(plain, name)),
+                                      np.asarray(getattr(full, name)), err_msg=name)  # fmt: skip
+    assert len(set(np.asarray(full.tokens[drawing]).tolist())) > 10  # the draws are draws
 
 
 def padded(values, size, fill, dtype):
@@ -250,3 +316,37 @@ def test_greedy_with_penalties_matches_hf_forward_and_processor(hf_checkpoint):
             tokens.append(token)
             counts[token] += 1
         assert out.outputs[0].token_ids == tokens[len(prompt) :], sp
+    assert llm.engine.runner.variant_steps["plain"] > 0  # greedy decode: the sort-free sampler
+
+
+def test_engine_takes_the_sort_free_sampler_only_when_no_request_needs_the_full_one(
+    hf_checkpoint,
+):
+    """Decode steps of greedy requests that ask no top logprobs run the sort-free sampler and
+    give the full one's tokens and logprobs; a request with logprobs >= 1, or one that draws
+    through top-p, puts every decode step it is in on the full sampler."""
+    llm, _ = hf_checkpoint
+    steps = llm.engine.runner.variant_steps
+    prompts = random_prompts(np.random.default_rng(6), [7, 19], llm.model_cfg.vocab_size)
+    kw = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def generate(params):
+        before = dict(steps)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        return outs, {k: steps[k] - before.get(k, 0) for k in ("plain", "full")}
+
+    plain, ran = generate(SamplingParams(**kw))
+    assert ran["plain"] > 0
+    full, ran = generate(SamplingParams(logprobs=2, **kw))
+    assert ran["plain"] == 0 and ran["full"] > 0
+    for a, b in zip(plain, full, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob,
+                                   b.outputs[0].cumulative_logprob, rtol=1e-6)  # fmt: skip
+        for token, top in zip(b.outputs[0].token_ids, b.outputs[0].logprobs, strict=True):
+            ranked = sorted(top.items(), key=lambda kv: kv[1].rank)
+            assert len(top) == 2 and ranked[0][0] == token  # greedy: the sampled token leads
+            assert ranked[0][1].logprob >= ranked[1][1].logprob
+    drawn = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
+    _, ran = generate([SamplingParams(**kw), drawn])
+    assert ran["plain"] == 0

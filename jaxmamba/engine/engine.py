@@ -212,7 +212,8 @@ class LLMEngine:
 
     # -- warm-up ------------------------------------------------------------------------------
     def precompile(self, show_progress: bool = True) -> int:
-        """Compile every bucket now; returns how many. Afterwards nothing compiles."""
+        """Compile every bucket now (a `ModelRunner`: with the sampler variant of each decode
+        bucket); returns how many programs. Afterwards nothing compiles."""
         buckets = self.scheduler.all_buckets()
         start = time.perf_counter()
 
@@ -230,7 +231,8 @@ class LLMEngine:
                 sys.stderr.flush()
 
         self.runner.precompile(buckets, self.builder.padding, progress)
-        return len(buckets)
+        programs = getattr(self.runner, "programs", None)
+        return len(buckets) if programs is None else len(programs(buckets))
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -253,10 +255,21 @@ class LLMEngine:
             inputs = self.builder.build(
                 scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
             )
-            packed = self.runner.step(inputs, scheduled.bucket.num_decode)
+            packed = self._step(scheduled, inputs)
         self.scheduler.record_dispatched(scheduled)
         self._count(scheduled)
         return scheduled, packed
+
+    def _step(self, scheduled: ScheduledStep, inputs) -> jax.Array:
+        """Dispatch on the runner. A `ModelRunner` is told whether some row reads the top
+        logprobs (logprobs >= 1), so that a decode step that needs neither them nor a cut-off
+        runs the sampler without either; other runners (an artifact's, a multi-host leader)
+        run the full sampler, which gives the same tokens."""
+        nd = scheduled.bucket.num_decode
+        if not isinstance(self.runner, ModelRunner):
+            return self.runner.step(inputs, nd)
+        asks = any(row.request.params.logprobs for row in scheduled.rows)
+        return self.runner.step(inputs, nd, top_logprobs=asks)
 
     def _count(self, step: ScheduledStep) -> None:
         st = self.stats

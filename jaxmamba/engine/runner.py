@@ -4,7 +4,11 @@ It owns the parameters and the cache, and runs one jitted step per call:
 `step(params, cache, slot_state, inputs) -> (packed sample output, cache, slot_state)`,
 donating the cache and the per-slot sampler state (`SlotState`). The
 static shape of a step is its bucket `(num_tokens, num_rows, num_decode)`; each bucket
-compiles once.
+compiles once, and each decode bucket a second time as its `PLAIN` sampler variant: the
+sampler without the sort for top-k/top-p/min-p and without the top logprobs, which the host
+chooses when no row of the step needs them (`ModelRunner.sampler_variant`; a device branch
+instead cost ~5 ms a step, docs/benchmarks.md). Both programs give the same tokens, logprobs
+and ranks. `JAXMAMBA_SAMPLER_VARIANTS=0` turns the variant off (one program a bucket).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jaxmamba.model.sampling import (
     PenaltyState,
     SampleOutput,
     init_penalty_state,
+    needs_cutoff,
     prompt_logprobs,
     record_tokens,
     sample,
@@ -93,9 +98,14 @@ def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> j
 # Traces (= compilations) of the jitted step per (model, cache spec) in this process.
 TRACE_COUNTS: Counter = Counter()
 
+# The sampler variants of a step (its static `sampler` argument): FULL samples any mix of
+# parameters and returns the top logprobs; PLAIN has neither the cut-off's sort nor the top
+# logprobs (zeros), for a decode step where no row filters or asks for them.
+FULL, PLAIN = "full", "plain"
+
 
 def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
-            num_decode):  # fmt: skip
+            num_decode, sampler: str = FULL):  # fmt: skip
     """One engine step: forward, sample at each row's last token, remember the samples.
 
     The packed output has a row per step row; a bucket with prefill rows appends a row per
@@ -133,6 +143,7 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
         logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
         inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
         inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
+        cutoff=sampler == FULL, top_logprobs=sampler == FULL,
     )  # fmt: skip
     last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
     packed = pack_sample_output(out)
@@ -194,7 +205,7 @@ def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num
 # and cache shape (several `LLM`s, tests) shares one compiled executable per bucket.
 jitted_step = jax.jit(
     step_fn,
-    static_argnames=("model", "spec", "num_decode"),
+    static_argnames=("model", "spec", "num_decode", "sampler"),
     donate_argnames=("cache", "slot_state"),
 )
 jitted_logits = jax.jit(
@@ -250,15 +261,22 @@ class ModelRunner:
             self._static = dict(model=self.model, spec=cache_spec, mesh_plan=mesh_plan)
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
         self.slot_state = slot_state
+        # The PLAIN sampler variant of decode steps (the sharded step has the full one only).
+        self.sampler_variants = (
+            tensor_parallel_size == 1 and mesh is None
+            and os.environ.get("JAXMAMBA_SAMPLER_VARIANTS", "1") != "0"
+        )  # fmt: skip
+        self.variant_steps: Counter = Counter()  # steps dispatched per sampler variant
 
     @property
     def num_compiles(self) -> int:
         """Compilations of this model+cache shape in this process (shared between runners)."""
         return TRACE_COUNTS[(self.model, self.cache_spec)]
 
-    def _step_fn(self, params, cache, slot_state, inputs, *, num_decode):
+    def _step_fn(self, params, cache, slot_state, inputs, *, num_decode, sampler=FULL):
         """The step body, unjitted (for jaxpr inspection)."""
-        return step_fn(params, cache, slot_state, inputs, num_decode=num_decode, **self._static)
+        return step_fn(params, cache, slot_state, inputs, num_decode=num_decode, sampler=sampler,
+                       **self._static)  # fmt: skip
 
     def forward_logits(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Like `step`, but returns float32 logits for every token `[T, V]` (scoring, tests)."""
@@ -268,39 +286,70 @@ class ModelRunner:
         )  # fmt: skip
         return logits
 
-    def step(self, inputs: StepInputs, num_decode: int) -> jax.Array:
-        """Dispatch one step; returns the packed device output without waiting for it."""
+    def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool) -> str:
+        """PLAIN for a pure decode step whose rows need neither the cut-off nor the top
+        logprobs (`top_logprobs`: some row asks for them), read from the host inputs; else
+        FULL. Inputs already on the device count as needing everything (no read back)."""
+        rows = np.shape(inputs.state_slots)[0]
+        if not self.sampler_variants or top_logprobs or num_decode != rows:
+            return FULL
+        arrays = (inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p)
+        if not all(isinstance(a, np.ndarray) for a in arrays):
+            return FULL
+        return FULL if needs_cutoff(*arrays, self.cfg.vocab_size) else PLAIN
+
+    def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True) -> jax.Array:
+        """Dispatch one step; returns the packed device output without waiting for it.
+        `top_logprobs=False`: no row reads the top logprobs (they may come back as zeros),
+        which lets a decode step run the PLAIN sampler."""
+        sampler = self.sampler_variant(inputs, num_decode, top_logprobs)
+        self.variant_steps[sampler] += 1
+        kwargs = {} if sampler == FULL else {"sampler": sampler}
         packed, self.cache, self.slot_state = self._jit_step(
             self.params, self.cache, self.slot_state, self._put_inputs(inputs),
-            num_decode=num_decode, **self._static,
+            num_decode=num_decode, **kwargs, **self._static,
         )  # fmt: skip
         return packed
 
-    def step_args(self, inputs: StepInputs, num_decode: int) -> tuple[tuple, dict]:
+    def step_args(self, inputs: StepInputs, num_decode: int, sampler: str = FULL
+                  ) -> tuple[tuple, dict]:  # fmt: skip
         """`(args, kwargs)` of `jitted_step` (or the tensor-parallel `jitted_tp_step`) for
-        these inputs (lowering, export)."""
+        these inputs (lowering, export: the FULL sampler, as `step` calls it)."""
         kwargs = dict(num_decode=num_decode, **self._static)
+        if sampler != FULL:
+            kwargs["sampler"] = sampler
         return (self.params, self.cache, self.slot_state, inputs), kwargs
 
+    def programs(self, buckets) -> list[tuple]:
+        """`(bucket, sampler)` of every program `step` can run for these buckets."""
+        out = [(b, FULL) for b in buckets]
+        if self.sampler_variants:
+            out += [(b, PLAIN) for b in buckets if b.num_decode == b.num_rows]
+        return out
+
     def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:
-        """Compile the step of every bucket, then run each once on padding only. The buckets
-        are traced, lowered and compiled in `workers` threads (default: one per core, at most
-        8): XLA's compiles release the GIL, so they overlap (tracing does not)."""
+        """Compile the step of every bucket (and the PLAIN sampler variant of each decode
+        bucket, `programs`), then run each once on padding only. The programs are traced,
+        lowered and compiled in `workers` threads (default: one per core, at most 8): XLA's
+        compiles release the GIL, so they overlap (tracing does not)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        inputs = [self._put_inputs(build_inputs(bucket)) for bucket in buckets]
+        programs = self.programs(buckets)
+        inputs = [self._put_inputs(build_inputs(bucket)) for bucket, _ in programs]
 
-        def compile_one(bucket, x):
-            args, kwargs = self.step_args(x, bucket.num_decode)
+        def compile_one(program, x):
+            bucket, sampler = program
+            args, kwargs = self.step_args(x, bucket.num_decode, sampler)
             self._jit_step.lower(*args, **kwargs).compile()  # fills the jit's own cache
 
         workers = workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            for i, _ in enumerate(pool.map(compile_one, buckets, inputs)):
+            for i, _ in enumerate(pool.map(compile_one, programs, inputs)):
                 if progress is not None:
-                    progress(i + 1, len(buckets), buckets[i])
-        for bucket, x in zip(buckets, inputs, strict=True):
-            jax.block_until_ready(self.step(x, bucket.num_decode))
+                    progress(i + 1, len(programs), programs[i][0])
+        host = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
+        for (bucket, sampler), x in zip(programs, host, strict=True):
+            jax.block_until_ready(self.step(x, bucket.num_decode, top_logprobs=sampler == FULL))
 
 
 def step_temporary_bytes(

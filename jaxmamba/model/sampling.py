@@ -8,9 +8,12 @@ recompiles.
 
 The program has no device branch: with `lax.cond`s that skipped the sort for greedy steps, the
 9B decode step ran ~5 ms slower on the H200 at every batch size (docs/benchmarks.md, issue 17),
-as if the host waited for each predicate before launching the rest. So every step sorts each
-row's scaled logits for the cut-off; the top logprobs come from a two-stage top-k
-(`top_k_blocked`), exact to the ids and cheaper than one `lax.top_k` over the vocabulary.
+as if the host waited for each predicate before launching the rest. The host chooses instead:
+the sort of each row's scaled logits serves only the top-k/top-p/min-p cut-off, and the top
+logprobs (a two-stage top-k, `top_k_blocked`, exact to the ids and cheaper than one `lax.top_k`
+over the vocabulary) only requests that ask for them, so `sample(cutoff=False,
+top_logprobs=False)` is a second program without either, for steps where no row needs them
+(`needs_cutoff`; the runner picks it for decode steps).
 
 The penalties read `PenaltyState`, one row per state slot, kept on device and updated inside
 the step (`record_tokens`): which tokens the slot's prompt holds, and how often each output
@@ -23,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # Top logprobs are always computed for this many tokens (a static shape); a request asks for
@@ -142,6 +146,15 @@ def filter_cutoff(
     return cut
 
 
+def needs_cutoff(temperature, top_k, top_p, min_p, vocab: int) -> bool:
+    """Whether some row of a step draws through a top-k/top-p/min-p cut-off (host arrays): if
+    none does, `sample(cutoff=False)` gives the same tokens without the sort. Greedy rows never
+    do; a top_k of at least `vocab` keeps every token, as off does."""
+    t, k = np.asarray(temperature), np.asarray(top_k)
+    filtered = ((k > 0) & (k < vocab)) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0.0)
+    return bool(np.any((t > 0) & filtered))
+
+
 def top_k_blocked(
     x: jax.Array,  # f32[B, V]
     k: int,
@@ -201,11 +214,19 @@ def sample(
     bias_ids: jax.Array | None = None,  # i32[B, MAX_LOGIT_BIAS]
     bias_values: jax.Array | None = None,  # f32[B, MAX_LOGIT_BIAS]
     penalties: Penalties | None = None,
+    *,
+    cutoff: bool = True,
+    top_logprobs: bool = True,
 ) -> SampleOutput:
     """Sample one token per row: greedy, or a Gumbel-max draw from the processed,
     temperature-scaled distribution cut by top-k/top-p/min-p (``filter_cutoff``).
 
     Logprobs, ranks and the top logprobs are those of the raw model (vLLM's default).
+
+    Static switches (each value is its own program): ``cutoff=False`` leaves out the sort and
+    the cut-off, exact only when no drawing row filters (`needs_cutoff` is False: every kept
+    set is then the whole vocabulary); ``top_logprobs=False`` leaves out the top logprobs
+    (``top_ids`` and ``top_logprobs`` are zeros), for steps where no row asks for them.
     """
     vocab = logits.shape[-1]
     raw = logits.astype(jnp.float32)
@@ -218,9 +239,11 @@ def sample(
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
     scaled = processed / jnp.maximum(temperature, 1e-6)[:, None]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    cutoff = filter_cutoff(sorted_desc, top_k, top_p, min_p)
-    masked = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
+    masked = scaled
+    if cutoff:
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        lowest_kept = filter_cutoff(sorted_desc, top_k, top_p, min_p)
+        masked = jnp.where(scaled >= lowest_kept[:, None], scaled, -jnp.inf)
 
     def row_key(seed, counter):
         return jax.random.fold_in(jax.random.PRNGKey(seed), counter)
@@ -232,14 +255,14 @@ def sample(
 
     token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
     ranks = jnp.sum(raw >= token_logits, axis=-1).astype(jnp.int32)
-    top_logits, top_ids = top_k_blocked(raw, min(MAX_LOGPROBS, vocab))
-    return SampleOutput(
-        tokens,
-        token_logits[:, 0] - log_norm,
-        ranks,
-        top_ids.astype(jnp.int32),
-        top_logits - log_norm[:, None],
-    )
+    k = min(MAX_LOGPROBS, vocab)
+    top_ids = jnp.zeros((raw.shape[0], k), jnp.int32)
+    top_lp = jnp.zeros((raw.shape[0], k), jnp.float32)
+    if top_logprobs:
+        top_logits, top_ids = top_k_blocked(raw, k)
+        top_lp = top_logits - log_norm[:, None]
+    return SampleOutput(tokens, token_logits[:, 0] - log_norm, ranks, top_ids.astype(jnp.int32),
+                        top_lp)  # fmt: skip
 
 
 class PromptLogprobs(NamedTuple):
