@@ -139,6 +139,7 @@ def bench_one_batch(
     fill_cache: bool = True,
     trace_dir: str | None = None,
     log=print,
+    time_full_sampler: bool = False,
 ) -> list[BenchResult]:
     """Time the phases asked for. A decode-only run fills the cache with prefills of at most
     ``max_setup_tokens`` tokens (whole rows per step, one bucket), so a large batch at a long
@@ -146,7 +147,9 @@ def bench_one_batch(
     random values instead (the same kernels over the same lengths, so the same work, and rows
     that differ, so MoE rows route apart, without the set-up prefills' compiles). The timed
     prefill is always one step. With ``trace_dir``, each timed phase runs once more under the
-    JAX profiler, into ``trace_dir/<phase>``."""
+    JAX profiler, into ``trace_dir/<phase>``. Decode rows are greedy and ask no top logprobs,
+    so the step runs the sampler without the sort where the runner has it;
+    ``time_full_sampler`` also times the same steps with the full sampler (``decode-full``)."""
     for name, value in (("batch", batch), ("input_len", input_len), ("output_len", output_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -212,10 +215,10 @@ def bench_one_batch(
     log(f"  compiled+ran decode batch {batch} ({sampler} sampler) in "
         f"{time.perf_counter() - start:.1f} s")  # fmt: skip
 
-    def run_decode():
+    def run_decode(top_logprobs=False):
         out = None
         for inputs in decodes:
-            out = runner.step(inputs, batch, top_logprobs=False)
+            out = runner.step(inputs, batch, top_logprobs=top_logprobs)
         return out
 
     # Re-running the same positions rewrites the same cache entries: the work per step and
@@ -225,8 +228,14 @@ def bench_one_batch(
         with jax.profiler.trace(f"{trace_dir}/decode", create_perfetto_trace=True):
             jax.block_until_ready(run_decode())
     context = input_len + output_len // 2
-    bw = decode_bytes(cfg, params, batch, context, dtype) / t_decode / PEAK_HBM_BYTES
+    step_bytes = decode_bytes(cfg, params, batch, context, dtype)
+    bw = step_bytes / t_decode / PEAK_HBM_BYTES
     results.append(BenchResult("decode", batch, input_len, t_decode, batch / t_decode, bw))
+    if time_full_sampler:
+        jax.block_until_ready(run_decode(top_logprobs=True))  # compiles the full sampler
+        t_full = _median_time(lambda: run_decode(True), max(1, repeats // 2)) / output_len
+        results.append(BenchResult("decode-full", batch, input_len, t_full, batch / t_full,
+                                   step_bytes / t_full / PEAK_HBM_BYTES))  # fmt: skip
     return results
 
 

@@ -7,14 +7,19 @@ not lose the others; stops starting cases when the time budget runs out.
         --profile-cases p8x2048 d1
 
 A prefill case times one step of B x L tokens; a decode case fills the cache in prefills of at
-most 32k tokens, then times decode steps. `--profile-cases` runs those cases once more under the
-JAX profiler and prints where the device time goes (kernels per step, busy vs span, top
-kernels).
+most 32k tokens, then times decode steps (greedy rows: the sampler without the sort;
+`--full-sampler-too` times the full sampler on the same steps as well, row `decode-full`).
+`--profile-cases` runs those cases once more under the JAX profiler and prints where the device
+time goes (kernels per step, busy vs span, top kernels). `--command-buffer-cases d1 d32` runs
+those decode cases again for each `--command-buffer-values` entry, the step compiled with
+`xla_gpu_enable_command_buffer` set to it (row `decode cb=VALUE`; '' turns CUDA graphs off).
+Every case prints its result row when it finishes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -32,6 +37,7 @@ from jaxmamba.bench import (
     summarize_trace,
 )
 from jaxmamba.config import ModelConfig
+from jaxmamba.engine import runner as runner_module
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.kernels.mamba_decode import FUSED_ENV
@@ -62,6 +68,30 @@ def pallas_vs_ref_logits(cfg, params, num_tokens: int, dtype) -> dict:
     return {"tokens": num_tokens, "max_abs_diff": float(diff.max()), "logit_scale": scale,
             "argmax_agree": float(np.mean(out["auto"].argmax(-1) == out["ref"].argmax(-1))),
             "ref_s": out["ref_s"], "kernels_s": out["auto_s"]}  # fmt: skip
+
+
+def command_buffer_jit(value: str):
+    """`runner.jitted_step` compiled with `xla_gpu_enable_command_buffer=value`."""
+    return jax.jit(
+        runner_module.step_fn,
+        static_argnames=("model", "spec", "num_decode", "sampler"),
+        donate_argnames=("cache", "slot_state"),
+        compiler_options={"xla_gpu_enable_command_buffer": value},
+    )
+
+
+def command_buffers_in_hlo(value: str | None) -> int:
+    """How many command-buffer calls XLA puts in a program of 8 dependent fusions (a check
+    that the option reaches the compiler; 0 off the GPU)."""
+
+    def chain(x):
+        for i in range(8):
+            x = jnp.sin(x @ x) + i
+        return x
+
+    options = {} if value is None else {"xla_gpu_enable_command_buffer": value}
+    text = jax.jit(chain).lower(jnp.ones((64, 64))).compile(options).as_text()
+    return text.count("command_buffer")
 
 
 def main() -> None:
@@ -112,6 +142,12 @@ def main() -> None:
     p.add_argument("--out", default="bench.json")
     p.add_argument("--profile-cases", nargs="*", default=[], help="cases to profile too")
     p.add_argument("--trace-dir", default="/tmp/jaxmamba-bench-traces")
+    p.add_argument("--full-sampler-too", action="store_true",
+                   help="decode cases: time the full sampler too (row decode-full)")  # fmt: skip
+    p.add_argument("--command-buffer-cases", nargs="*", default=[],
+                   help="decode cases to run again per --command-buffer-values")  # fmt: skip
+    p.add_argument("--command-buffer-values", nargs="*", default=[""],
+                   help="values of xla_gpu_enable_command_buffer ('' = off)")  # fmt: skip
     args = p.parse_args()
     t0 = time.perf_counter()
     cfg = ModelConfig.load(args.model)
@@ -124,12 +160,23 @@ def main() -> None:
         else ("decode", int(c[1:]), args.decode_context)
         for c in args.cases
     ]  # fmt: skip
+    if args.command_buffer_cases:
+        for value in [None, *args.command_buffer_values]:
+            print(f"command buffers in a test program, option {value!r}: "
+                  f"{command_buffers_in_hlo(value)}", flush=True)  # fmt: skip
     results: list[BenchResult] = []
     profiles: list[str] = []
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": []}
-    runs = [(*case, small_m, fused) for case in cases for small_m in args.small_m_impls
+    runs = [(*case, small_m, fused, None) for case in cases for small_m in args.small_m_impls
             for fused in args.fused_mamba_decode]  # fmt: skip
-    for phase, batch, length, small_m, fused in runs:
+    runs += [
+        ("decode", int(c[1:]), args.decode_context, args.small_m_impls[0],
+         args.fused_mamba_decode[0], value)
+        for value in args.command_buffer_values
+        for c in args.command_buffer_cases
+    ]  # fmt: skip
+    default_jit = runner_module.jitted_step
+    for phase, batch, length, small_m, fused, command_buffer in runs:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: skipping {phase} {batch}x{length}")
             continue
@@ -142,15 +189,25 @@ def main() -> None:
             os.environ[FUSED_ENV] = fused
         if len(args.fused_mamba_decode) > 1:
             jax.clear_caches()  # the step's jit is module-level: retrace, reading the switch
+        if command_buffer is not None:
+            name += f"-cb={command_buffer}"
         print(f"{name}: small_m_impl={small_m}", flush=True)
         trace_dir = f"{args.trace_dir}/{name}" if case in args.profile_cases else None
         try:
+            runner_module.jitted_step = default_jit
+            if command_buffer is not None:  # a jit of its own: the runner picks it up
+                runner_module.jitted_step = command_buffer_jit(command_buffer)
             res = bench_one_batch(cfg, params, batch=batch, input_len=length,
                                   output_len=args.output_len, dtype=dtype, impl=args.impl,
                                   small_m_impl=None if small_m == "none" else small_m,
                                   repeats=3, phases=(phase,), trace_dir=trace_dir,
                                   fill_cache=not args.no_fill_cache,
-                                  log=lambda m: print(m, flush=True))  # fmt: skip
+                                  log=lambda m: print(m, flush=True),
+                                  time_full_sampler=args.full_sampler_too and
+                                  command_buffer is None)  # fmt: skip
+            if command_buffer is not None:
+                res = [dataclasses.replace(r, phase=f"{r.phase} cb={command_buffer or 'off'}")
+                       for r in res]  # fmt: skip
             results += res
             print(format_results(res), flush=True)
             record["cases"] += [dict(r.__dict__, small_m_impl=small_m, fused_mamba_decode=fused)
@@ -165,6 +222,8 @@ def main() -> None:
             record["cases"].append(
                 {"phase": phase, "batch": batch, "error": traceback.format_exc()}
             )
+        finally:
+            runner_module.jitted_step = default_jit
         print(f"{phase} {batch}x{length}: {time.perf_counter() - start:.0f} s", flush=True)
     if args.compare_tokens and time.perf_counter() - t0 < args.budget_s:
         try:

@@ -8,6 +8,9 @@ meets, the timed pass (output tokens/s), and a pass driven step by step through 
 whose steps
 `--profile-from`..+`--profile-steps` run under the JAX profiler: the device's busy time over that
 window's span shows how much of a step the host costs (a host-bound loop leaves the device idle).
+That pass also times the host's share of each step: dispatching (schedule, build the inputs,
+transfer them, launch) and post-processing (after the wait for the step's output), and counts
+the host-to-device transfers of a step (one per input array).
 
     python3 scripts/bench_throughput.py [--model nemotron-nano-9b-v2] [--num-prompts 64]
         [--input-len 256 1024] [--output-len 64 256] [--out throughput.json]
@@ -105,8 +108,33 @@ def main() -> None:
     )
     print(json.dumps(record), flush=True)
 
-    # The profiled window: the same schedule again, step by step.
+    # The profiled window: the same schedule again, step by step, its host phases timed.
     engine = llm.engine
+    host = {"dispatch_s": 0.0, "wait_s": 0.0, "postprocess_s": 0.0, "steps": 0, "h2d": 0}
+    dispatch, postprocess, put = engine._dispatch, engine._postprocess, engine.runner._put_inputs
+
+    def timed_dispatch():
+        start = time.perf_counter()
+        out = dispatch()
+        host["dispatch_s"] += time.perf_counter() - start
+        host["steps"] += out is not None
+        return out
+
+    def timed_postprocess(step, packed):
+        start = time.perf_counter()
+        jax.block_until_ready(packed)
+        waited = time.perf_counter()
+        out = postprocess(step, packed)
+        host["wait_s"] += waited - start
+        host["postprocess_s"] += time.perf_counter() - waited
+        return out
+
+    def counted_put(inputs):
+        host["h2d"] += len(jax.tree.leaves(inputs))
+        return put(inputs)
+
+    engine._dispatch, engine._postprocess = timed_dispatch, timed_postprocess
+    engine.runner._put_inputs = counted_put
     for i, (ids, sp) in enumerate(zip(prompts(3), params, strict=True)):
         engine.add_request(f"profiled-{i}", {"prompt": None, "prompt_token_ids": ids}, sp)
     step = 0
@@ -131,9 +159,20 @@ def main() -> None:
                 "busy_fraction": busy / span,
                 "wall_ms_per_step": span / args.profile_steps * 1e3,
             }
+    engine._dispatch, engine._postprocess, engine.runner._put_inputs = dispatch, postprocess, put
+    n = max(host["steps"], 1)
+    record["host_per_step"] = {
+        "dispatch_ms": host["dispatch_s"] / n * 1e3,
+        "postprocess_ms": host["postprocess_s"] / n * 1e3,
+        "wait_ms": host["wait_s"] / n * 1e3,
+        "h2d_transfers": host["h2d"] / n,
+        "steps": host["steps"],
+        "sampler_steps": dict(getattr(engine.runner, "variant_steps", {})),
+    }
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps(record.get("profiled_window")))
+    print("host per step:", json.dumps(record["host_per_step"]), flush=True)
     print(
         f"throughput: {args.num_prompts} requests, {record['input_tokens']} prompt + "
         f"{record['output_tokens']} output tokens in {elapsed:.2f} s: "

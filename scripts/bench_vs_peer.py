@@ -6,7 +6,10 @@ The peer is `../shared/anchors/anchor_torch_e2e.py` (PyTorch on SGLang 0.5.23's 
 kernels, cuBLAS, SDPA, decode in a CUDA graph), prepared into `.anchors/` by
 `bash ../shared/anchors/prepare.sh` and carried to the GPU machine. Each side runs in its own
 process, one after the other (the GPU is not shared between them while timing); both print
-`jaxmamba.bench.format_results` tables, which are read back and joined here.
+`jaxmamba.bench.format_results` rows, which are read back and joined here. Each side's output
+streams through as it runs (a call cut short keeps what finished), and the joined table is
+printed before the throughput benchmark starts. Our extra rows (`decode-full`: the full
+sampler; `decode cb=...`: command-buffer settings) get columns of their own.
 
     python3 scripts/bench_vs_peer.py --out-dir $OUT [--cases p1x2048 p8x2048 d1 d32 d128 d256]
         [--engine-args "--small-m-impls none auto"] [--throughput-args "--num-prompts 64"]
@@ -21,18 +24,21 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CASES = ["p1x2048", "p8x2048", "d1", "d32", "d128", "d256"]
 ROW = re.compile(
-    r"^\| (prefill|decode) \| (\d+) \| (\d+) \| ([\d.]+) ms \| ([\d,]+) \| ([\d.]+)% (.*) \|$"
+    r"^\| ((?:prefill|decode)[^|]*?) \| (\d+) \| (\d+) \| ([\d.]+) ms \| ([\d,]+) \| "
+    r"([\d.]+)% (.*) \|$"
 )
 
 
 def parse_table(text: str) -> dict[tuple[str, int], dict]:
-    """The `format_results` rows of a log, by (phase, batch); the last row of a case wins."""
+    """The `format_results` rows of a log, by (phase label, batch); the last row of a case
+    wins."""
     rows = {}
     for line in text.splitlines():
         m = ROW.match(line.strip())
@@ -48,19 +54,30 @@ def parse_table(text: str) -> dict[tuple[str, int], dict]:
 
 
 def run(cmd: list[str], cwd: Path, log_path: Path, timeout: float, env=None) -> str:
+    """Run `cmd`, its output streamed to stdout (indented) and to `log_path`; killed after
+    `timeout` seconds. Returns the output."""
     print(f"$ (cd {cwd} && {shlex.join(cmd)})", flush=True)
     start = time.perf_counter()
+    lines = []
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)  # fmt: skip
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
     with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=timeout, env=env)  # fmt: skip
-            out = proc.stdout
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            out += f"\n[timed out after {timeout:.0f} s]\n"
-        log.write(out)
+        for line in proc.stdout:
+            lines.append(line)
+            log.write(line)
+            log.flush()
+            print("  " + line, end="", flush=True)
+        proc.wait()
+        timer.cancel()
+        if proc.returncode != 0:
+            note = f"[exit {proc.returncode} after {time.perf_counter() - start:.0f} s]\n"
+            lines.append(note)
+            log.write(note)
+            print("  " + note, end="", flush=True)
     print(f"  {time.perf_counter() - start:.0f} s, log {log_path}", flush=True)
-    return out
+    return "".join(lines)
 
 
 def case_key(case: str) -> tuple[str, int]:
@@ -83,13 +100,16 @@ def main() -> None:
     )
     p.add_argument("--throughput-timeout", type=float, default=240)
     p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--peer-log", default=None, help="read the peer's rows from this log instead")
     args = p.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"cases": args.cases}
 
     peer = {}
-    if not args.skip_peer:
+    if args.peer_log:
+        peer = parse_table(Path(args.peer_log).read_text())
+    elif not args.skip_peer:
         peer_log = run([sys.executable, "anchor_torch_e2e.py", "--cases", *args.cases,
                         "--budget-s", str(args.peer_budget)], Path(args.peer_dir),
                        out / "peer.log", args.peer_timeout)  # fmt: skip
@@ -104,9 +124,11 @@ def main() -> None:
                      out / "engine.log", args.engine_timeout, env)  # fmt: skip
     ours = parse_table(engine_log)
 
+    extra = sorted({label for label, _ in ours} - {"prefill", "decode"})
     lines = [
-        "| case | this engine | peer path | ratio | ours: utilisation |",
-        "|---|---|---|---|---|",
+        "| case | this engine | peer path | ratio | ours: utilisation | "
+        + "".join(f"ours, {label} | " for label in extra),
+        "|---|---|---|---|---|" + "---|" * len(extra),
     ]
     for case in args.cases:
         key = case_key(case)
@@ -117,18 +139,21 @@ def main() -> None:
         mine = "failed" if a is None else f"{a['ms']:.2f} ms"
         theirs = "—" if b is None else f"{b['ms']:.2f} ms"
         util = "—" if a is None else f"{a['utilisation']:.1%} {what}"
-        lines.append(f"| {name} | {mine} | {theirs} | {ratio} | {util} |")
-        record[case] = {"ours": a, "peer": b}
+        more = [ours.get((label, key[1])) if key[0] == "decode" else None for label in extra]
+        cells = "".join("— | " if m is None else f"{m['ms']:.2f} ms | " for m in more)
+        lines.append(f"| {name} | {mine} | {theirs} | {ratio} | {util} | {cells}")
+        record[case] = {"ours": a, "peer": b, **dict(zip(extra, more, strict=True))}
     table = "\n".join(lines)
+    (out / "bench_vs_peer.json").write_text(json.dumps(record, indent=1))
+    print(table, flush=True)
 
     if args.throughput_args is not None:
         tp_log = run([sys.executable, "scripts/bench_throughput.py", "--out",
                       str(out / "throughput.json"), *shlex.split(args.throughput_args)], ROOT,
                      out / "throughput.log", args.throughput_timeout)  # fmt: skip
         record["throughput_tail"] = tp_log.splitlines()[-12:]
-        print("\n".join(record["throughput_tail"]))
-    (out / "bench_vs_peer.json").write_text(json.dumps(record, indent=1))
-    print(table)
+        (out / "bench_vs_peer.json").write_text(json.dumps(record, indent=1))
+        print(table)
 
 
 if __name__ == "__main__":
