@@ -142,6 +142,9 @@ def main() -> None:
     p.add_argument("--out", default="bench.json")
     p.add_argument("--profile-cases", nargs="*", default=[], help="cases to profile too")
     p.add_argument("--trace-dir", default="/tmp/jaxmamba-bench-traces")
+    p.add_argument("--fast-weights", action="store_true",
+                   help="random weights from bench_cold_start.random_params (seconds) instead "
+                   "of init_params (which compiles Flax's init of the whole model)")  # fmt: skip
     p.add_argument("--full-sampler-too", action="store_true",
                    help="decode cases: time the full sampler too (row decode-full)")  # fmt: skip
     p.add_argument("--command-buffer-cases", nargs="*", default=[],
@@ -152,7 +155,12 @@ def main() -> None:
     t0 = time.perf_counter()
     cfg = ModelConfig.load(args.model)
     dtype = jnp.bfloat16
-    params = jax.block_until_ready(init_params(cfg, dtype, seed=0))
+    if args.fast_weights:
+        from bench_cold_start import random_params  # scripts/ is on the path
+
+        params = jax.block_until_ready(random_params(args.model, "bf16"))
+    else:
+        params = jax.block_until_ready(init_params(cfg, dtype, seed=0))
     print(f"{jax.devices()[0].device_kind}: {args.model} random bf16 weights "
           f"in {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
     cases = [

@@ -55,10 +55,18 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=24)
     p.add_argument("--trace-dir", default="/tmp/jaxmamba-throughput-trace")
     p.add_argument("--out", default="throughput.json")
+    p.add_argument("--fast-weights", action="store_true",
+                   help="random weights from bench_cold_start.random_params (seconds)")  # fmt: skip
     args = p.parse_args()
     t0 = time.perf_counter()
+    weights = {}
+    if args.fast_weights:
+        from bench_cold_start import random_params  # scripts/ is on the path
+
+        weights["params"] = random_params(args.model, "bf16")
     llm = LLM(
         args.model,
+        **weights,
         dtype="bfloat16",
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.input_len[1] + args.output_len[1] + 16,
