@@ -5,8 +5,10 @@ check what a device-side `lax.cond` costs the host on this backend.
 penalties' per-row `[B, V]` state) over batches whose rows all ask for the same thing: greedy,
 temperature only (`vllm bench throughput`'s default), top-k 50, top-p 0.9, and the mixed batch
 of the older tables (greedy, temperature, top-k 50, top-p 0.9, min-p 0.05): one program, so
-the mixes should cost the same. Beside it, the top-20 logprobs alone, one `lax.top_k` against
-the two-stage `top_k_blocked` for several blocks, and one full sort.
+the mixes should cost the same. `plain_greedy` and `plain_temperature` time the program the
+engine's decode steps run when no row filters or asks for top logprobs (`sample(cutoff=False,
+top_logprobs=False)`: no sort, no top-20). Beside it, the top-20 logprobs alone, one
+`lax.top_k` against the two-stage `top_k_blocked` for several blocks, and one full sort.
 
 `--many-kernel-probe N`: the same question for a program of N kernels (an engine step has
 ~800), ten calls queued: the time per call with the `lax.cond` against the `jnp.where`.
@@ -76,6 +78,7 @@ def sampling_args(mix: str, b: int, vocab: int, rng) -> tuple:
 
 def bench_sampler(vocab: int, batches: list[int]) -> list[dict]:
     sample_jit = jax.jit(sample)
+    plain_jit = jax.jit(functools.partial(sample, cutoff=False, top_logprobs=False))
     rows = []
     for b in batches:
         rng = np.random.default_rng(b)
@@ -83,6 +86,11 @@ def bench_sampler(vocab: int, batches: list[int]) -> list[dict]:
         row = {"batch": b}
         for mix in MIXES:
             row[mix] = median_us(sample_jit, logits, *sampling_args(mix, b, vocab, rng))
+        for mix in ("greedy", "temperature"):
+            args = sampling_args(mix, b, vocab, rng)
+            full, plain = sample_jit(logits, *args), plain_jit(logits, *args)
+            assert np.array_equal(np.asarray(full.tokens), np.asarray(plain.tokens)), mix
+            row[f"plain_{mix}"] = median_us(plain_jit, logits, *args)
         row["top20_lax"] = median_us(jax.jit(lambda x: jax.lax.top_k(x, MAX_LOGPROBS)), logits)
         for block in (1024, 2048, 4096, 8192):
             fn = jax.jit(functools.partial(top_k_blocked, k=MAX_LOGPROBS, block=block))
