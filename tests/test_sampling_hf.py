@@ -8,6 +8,7 @@ row, fixed seeds).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -193,8 +194,9 @@ def test_sort_free_sampler_gives_the_full_samplers_tokens_logprobs_and_ranks():
         jnp.asarray(rng.integers(0, 6, rows), jnp.int32), jnp.asarray(stop),
         jnp.asarray(bias_ids), jnp.asarray(bias_values, jnp.float32), penalties,
     )  # fmt: skip
-    full = sample(*args)
-    plain = sample(*args, cutoff=False, top_logprobs=False)
+    jitted = jax.jit(sample, static_argnames=("cutoff", "top_logprobs"))
+    full = jitted(*args)
+    plain = jitted(*args, cutoff=False, top_logprobs=False)
     for name in ("tokens", "logprobs", "ranks"):
         np.testing.assert_array_equal(np.asarray(getattr(plain, name)),
                                       np.asarray(getattr(full, name)), err_msg=name)  # fmt: skip
