@@ -5,8 +5,8 @@ writing the slot-indexed conv and SSM state pools in place.
 The reference (``ref.py``) is the chain it replaces: ``causal_conv1d_update``, the slices of
 its output, ``selective_state_update``, then the checkpoint copies as gathers and scatters of
 whole states. The GPU kernels (``gpu.py``) read the in_proj output by column offset and store
-the checkpoints from registers; the GPU's ``auto`` takes them when ``use_fused`` says so
-(opt-in until they are measured). There is no TPU kernel: on TPU the op runs that chain with
+the checkpoints from registers; the GPU's ``auto`` takes them unless ``use_fused`` says
+otherwise (they are faster than the chain at every measured batch size). There is no TPU kernel: on TPU the op runs that chain with
 the two ops' Mosaic TPU kernels.
 """
 
@@ -26,17 +26,18 @@ from .ref import DecodeLayout, decode_chain, mamba2_decode_ref
 
 __all__ = ["DecodeLayout", "GpuBlockSizes", "mamba2_decode", "mamba2_decode_ref", "use_fused"]
 
-# "1" / "0": the fused kernels / the chain of the two ops' kernels for the GPU's `auto`, read
-# at trace time (a process that flips it must `jax.clear_caches()`: jit reuses its traces).
-# Unset: the chain — the fused kernels have not been timed on a GPU yet (docs/benchmarks.md,
-# "Fused Mamba decode"), and the default follows a measurement.
+# "0" turns the GPU's `auto` back to the chain of the two ops' kernels (for A/B runs); read
+# at trace time, so a process that flips it must `jax.clear_caches()` (jit reuses its traces).
+# Unset or "1": the fused kernels — on the H200 one layer at 9B shapes takes 0.38 / 0.78 /
+# 0.92 / 0.99 of the chain's time at batch 1 / 32 / 128 / 256 (docs/benchmarks.md, "Fused
+# Mamba decode").
 FUSED_ENV = "JAXMAMBA_FUSED_MAMBA_DECODE"
 
 
 def use_fused(rows: int) -> bool:
     """Whether a GPU decode step of ``rows`` rows takes the fused kernels (``impl="auto"`` /
     ``"pallas"``; ``"interpret"`` always does)."""
-    return os.environ.get(FUSED_ENV, "0") == "1"
+    return os.environ.get(FUSED_ENV, "1") != "0"
 
 
 def mamba2_decode(
