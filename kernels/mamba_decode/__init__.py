@@ -6,8 +6,8 @@ The reference (``ref.py``) is the chain it replaces: ``causal_conv1d_update``, t
 its output, ``selective_state_update``, then the checkpoint copies as gathers and scatters of
 whole states. The GPU kernels (``gpu.py``) read the in_proj output by column offset and store
 the checkpoints from registers; the GPU's ``auto`` takes them unless ``use_fused`` says
-otherwise (they are faster than the chain at every measured batch size). There is no TPU kernel: on TPU the op runs that chain with
-the two ops' Mosaic TPU kernels.
+otherwise (they are faster than the chain at every measured batch size). There is no TPU
+kernel: on TPU the op runs that chain with the two ops' Mosaic TPU kernels.
 """
 
 from __future__ import annotations
