@@ -165,6 +165,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--budget-s", type=float, default=200)
     p.add_argument("--out", default="moe.json")
+    p.add_argument(
+        "--uniform-routing", action="store_true",
+        help="whole-model cases: the router's logits are replaced by fixed random ones per "
+        "token (uniform, distinct rows), because random weights route every row alike in "
+        "the deeper layers (scripts/dev/moe_route_probe.py)",
+    )  # fmt: skip
     args = p.parse_args()
     t0 = time.perf_counter()
     cfg = ModelConfig.load(args.model)
@@ -211,6 +217,18 @@ def main() -> None:
         print("kernel failed: whole-model cases use moe.blocked_experts on the reference")
         moe.has_kernel = lambda impl: False
         record["whole_moe_method"] = "blocked (reference loop; the kernel failed)"
+
+    if args.uniform_routing:
+        route = moe.route_sigmoid_grouped
+
+        def uniform(logits, *a, **k):
+            # Fixed across steps and layers, distinct across rows: the experts hit are those
+            # of uniform routing (bench.experts_hit); the router's own matmul still runs.
+            noise = jax.random.normal(jax.random.PRNGKey(7), logits.shape, logits.dtype)
+            return route(logits * 0 + noise, *a, **k)
+
+        moe.route_sigmoid_grouped = uniform
+        record["whole_routing"] = "uniform (random logits per token)"
 
     for case in args.cases:
         if spent():
