@@ -1,4 +1,5 @@
-"""The built wheel carries every preset and kernel module, and works outside the checkout."""
+"""The built wheel carries every package module, preset and kernel module, and works outside the
+checkout."""
 
 from __future__ import annotations
 
@@ -22,13 +23,21 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
-def test_wheel_holds_every_preset_and_kernel_module(wheel):
+def test_wheel_holds_every_module_preset_and_kernel(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
+    # jaxmamba/kernels and jaxmamba/configs are links into kernels/ and configs/ in some
+    # checkouts (git worktrees): those come from their own folders below.
+    modules = [
+        p
+        for p in (ROOT / "jaxmamba").rglob("*.py")
+        if p.relative_to(ROOT / "jaxmamba").parts[0] not in ("kernels", "configs")
+    ]
     presets = [
         p for p in (ROOT / "configs").rglob("*") if p.is_file() and "__pycache__" not in p.parts
     ]
     kernels = [p for p in (ROOT / "kernels").rglob("*.py")]
-    expected = {"jaxmamba/configs/" + p.relative_to(ROOT / "configs").as_posix() for p in presets}
+    expected = {p.relative_to(ROOT).as_posix() for p in modules}
+    expected |= {"jaxmamba/configs/" + p.relative_to(ROOT / "configs").as_posix() for p in presets}
     expected |= {"jaxmamba/kernels/" + p.relative_to(ROOT / "kernels").as_posix() for p in kernels}
     assert any(n.endswith(".safetensors") for n in expected)
     assert sorted(expected - names) == []
