@@ -113,7 +113,7 @@ class BenchResult:
     utilisation: float  # MFU (prefill) or fraction of HBM roofline (decode)
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -173,7 +173,7 @@ def bench_one_batch(
         start = time.perf_counter()
         jax.block_until_ready(runner.step(prefill, 0))
         log(f"  compiled+ran prefill {batch}x{input_len} in {time.perf_counter() - start:.1f} s")
-        t_prefill = _median_time(lambda: runner.step(prefill, 0), repeats)
+        t_prefill = median_time(lambda: runner.step(prefill, 0), repeats)
         if trace_dir:
             with jax.profiler.trace(f"{trace_dir}/prefill", create_perfetto_trace=True):
                 jax.block_until_ready(runner.step(prefill, 0))
@@ -223,7 +223,7 @@ def bench_one_batch(
 
     # Re-running the same positions rewrites the same cache entries: the work per step and
     # the bytes moved are those of a real decode at this context.
-    t_decode = _median_time(run_decode, max(1, repeats // 2)) / output_len
+    t_decode = median_time(run_decode, max(1, repeats // 2)) / output_len
     if trace_dir:
         with jax.profiler.trace(f"{trace_dir}/decode", create_perfetto_trace=True):
             jax.block_until_ready(run_decode())
@@ -233,7 +233,7 @@ def bench_one_batch(
     results.append(BenchResult("decode", batch, input_len, t_decode, batch / t_decode, bw))
     if time_full_sampler:
         jax.block_until_ready(run_decode(top_logprobs=True))  # compiles the full sampler
-        t_full = _median_time(lambda: run_decode(True), max(1, repeats // 2)) / output_len
+        t_full = median_time(lambda: run_decode(True), max(1, repeats // 2)) / output_len
         results.append(BenchResult("decode-full", batch, input_len, t_full, batch / t_full,
                                    step_bytes / t_full / PEAK_HBM_BYTES))  # fmt: skip
     return results

@@ -121,15 +121,6 @@ def kernel_with(x, weights, idx, up, down, activation, block_sizes):
     return jnp.sum(y * weights[..., None], axis=1)
 
 
-def median_seconds(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def micro_case(cfg, ups, downs, tokens, method, block_sizes, reps):
     X, k, E = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
     layers = len(ups)
@@ -141,7 +132,7 @@ def micro_case(cfg, ups, downs, tokens, method, block_sizes, reps):
     start = time.perf_counter()
     jax.block_until_ready(fn(x, weights, idxs, ups, downs))
     compile_s = time.perf_counter() - start
-    per_layer = median_seconds(lambda: fn(x, weights, idxs, ups, downs), reps) / layers
+    per_layer = bench.median_time(lambda: fn(x, weights, idxs, ups, downs), reps) / layers
     hit = float(np.mean([len(np.unique(np.asarray(i))) for i in idxs]))
     expert_bytes = (ups[0][0].size + downs[0][0].size) * ups[0].dtype.itemsize
     flops = 2.0 * tokens * k * (ups[0][0].size + downs[0][0].size)
