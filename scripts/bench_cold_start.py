@@ -164,7 +164,7 @@ def child(args) -> None:
         # `engine.precompile`, with the number of compile threads given.
         llm.runner.precompile(buckets, llm.engine.builder.padding, progress,
                               workers=args.compile_workers)  # fmt: skip
-        n = len(buckets)
+        n = len(llm.runner.programs(buckets))  # a decode bucket's sampler variant counts
     t_pre = time.perf_counter() - t2
     mark("every bucket ready")
     t3 = time.perf_counter()

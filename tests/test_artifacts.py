@@ -1,7 +1,8 @@
 """Exported artifacts (`jaxmamba export`): a fresh process serves the artifact alone, without
 the model code, and its greedy tokens and logprobs equal the live engine's and HF
-transformers' (a random float32 checkpoint), prefix-cache hit included; a corrupted or
-mismatched artifact is rejected naming the field."""
+transformers' (a random float32 checkpoint), prefix-cache hit included; decode steps that
+need no sort run the artifact's sort-free sampler program, with the same tokens and
+logprobs; a corrupted or mismatched artifact is rejected naming the field."""
 
 from __future__ import annotations
 
@@ -107,19 +108,53 @@ def test_fresh_process_serves_the_artifact_without_the_model_code(artifact, chec
         np.testing.assert_allclose(ours["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
 
     # HF transformers, the independent oracle.
-    model = checkpoint[1]
     for prompt, ours, again in zip(prompts, first, second, strict=True):
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                do_sample=False, output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
-        hf_tokens = gen.sequences[0, len(prompt) :].tolist()
-        hf_logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item()
-                       for lg, t in zip(gen.logits, hf_tokens, strict=True)]  # fmt: skip
+        hf_tokens, hf_logprobs = _hf_greedy(checkpoint[1], prompt)
         assert ours["tokens"] == hf_tokens and again["tokens"] == hf_tokens
         np.testing.assert_allclose(ours["logprobs"], hf_logprobs, atol=1e-4, rtol=0)
         np.testing.assert_allclose(again["logprobs"], hf_logprobs, atol=1e-4, rtol=0)
+
+
+def _hf_greedy(model, prompt):
+    with torch.no_grad():
+        gen = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+            do_sample=False, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = gen.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item()
+                for lg, t in zip(gen.logits, tokens, strict=True)]  # fmt: skip
+    return tokens, logprobs
+
+
+def test_decode_steps_run_the_sort_free_program_with_the_same_results(artifact, checkpoint,
+                                                                        prompts):  # fmt: skip
+    """The decode bucket is exported twice (the full sampler and the sort-free one); a greedy
+    request without top logprobs (logprobs=0: the sampled token's only) decodes on the
+    sort-free program, one asking for top logprobs on the full one, with equal tokens and
+    sampled logprobs, and HF's tokens and logprobs."""
+    m = read_artifact(artifact).manifest
+    decode = [b for b in m["buckets"] if b["num_decode"] == b["num_rows"]]
+    assert decode and all(set(b["variants"]) == {"plain"} for b in decode)
+    assert all("variants" not in b for b in m["buckets"] if b not in decode)
+    llm = LLM(str(artifact), compilation_cache=False)
+    steps = llm.runner.variant_steps
+    results = {}
+    for logprobs in (0, 2):
+        before = dict(steps)
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=logprobs)  # fmt: skip
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        results[logprobs] = _result(outs)
+        ran = {k: steps[k] - before.get(k, 0) for k in steps}
+        assert ran.get("plain", 0) == (len(prompts) * (MAX_TOKENS - 1) if logprobs == 0 else 0), ran
+        assert ran["full"] > 0  # the prefill steps
+    for plain, full, prompt in zip(results[0], results[2], prompts, strict=True):
+        assert plain["tokens"] == full["tokens"]
+        np.testing.assert_allclose(plain["logprobs"], full["logprobs"], atol=1e-6, rtol=0)
+        hf_tokens, hf_logprobs = _hf_greedy(checkpoint[1], prompt)
+        assert plain["tokens"] == hf_tokens
+        np.testing.assert_allclose(plain["logprobs"], hf_logprobs, atol=1e-4, rtol=0)
 
 
 def test_manifest_lists_every_bucket_with_shapes(artifact):

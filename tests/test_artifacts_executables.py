@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from jaxmamba import LLM, SamplingParams
+from jaxmamba.export.artifact import programs
 from jaxmamba.export.writer import add_executables, export_artifact
 
 ENGINE = dict(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=8, max_prefill_seqs=1)
@@ -54,13 +55,20 @@ def _tokens(llm):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _nodes(manifest):
+    return [node for b in manifest["buckets"] for _, node in programs(b)]
+
+
 def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert all("cpu" in b["executables"] for b in manifest["buckets"])
+    # 3 buckets; the decode one also holds its sort-free sampler program.
+    assert len(manifest["buckets"]) == 3 and len(_nodes(manifest)) == 4
+    assert all("cpu" in node["executables"] for node in _nodes(manifest))
     llm = LLM(str(artifact), compilation_cache=False, params=params)
-    assert llm.runner.loaded_executables == len(manifest["buckets"]) == 3
+    assert llm.runner.loaded_executables == 4
     served, compiles = _compiles_while(lambda: _tokens(llm))
     assert compiles == 0
+    assert llm.runner.variant_steps["plain"] > 0  # greedy decode steps, stored compiled too
     live = LLM("nemotron-h-tiny", compilation_cache=False, seed=0, **ENGINE)
     expected, live_compiles = _compiles_while(lambda: _tokens(live))
     assert live_compiles > 0 and served == expected
@@ -69,8 +77,8 @@ def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(artifact, other)
     m = json.loads((other / "manifest.json").read_text())
-    for b in m["buckets"]:
-        b["executables"]["cpu"]["device"] = "jaxlib 0.0 some other chip"
+    for node in _nodes(m):
+        node["executables"]["cpu"]["device"] = "jaxlib 0.0 some other chip"
     (other / "manifest.json").write_text(json.dumps(m))
     fallback = LLM(str(other), compilation_cache=False, params=params)
     assert fallback.runner.loaded_executables == 0
@@ -82,9 +90,9 @@ def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
     compiled = fallback.runner.num_compiles
     tokens, compiles = _compiles_while(lambda: _tokens(fallback))
     assert tokens == expected and compiles == 0
-    assert fallback.runner.num_compiles == compiled == 3, "a step compiled after precompile"
+    assert fallback.runner.num_compiles == compiled == 4, "a step compiled after precompile"
     stored = LLM(str(add_executables(other, tmp_path / "stored", fallback.runner)),
                  compilation_cache=False, params=params)  # fmt: skip
-    assert stored.runner.loaded_executables == 3
+    assert stored.runner.loaded_executables == 4
     again, compiles = _compiles_while(lambda: _tokens(stored))
     assert compiles == 0 and again == expected

@@ -17,6 +17,7 @@ import pytest
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import ModelRunner, jitted_step
+from jaxmamba.export.artifact import programs
 from jaxmamba.kernels import (
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -197,14 +198,44 @@ def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):
         (b.num_tokens, b.num_rows, b.num_decode) for b in expected
     ]
     for entry in manifest["buckets"]:
+        decode = entry["num_decode"] == entry["num_rows"]
+        # A decode bucket also holds its sort-free sampler program, a mixed one does not.
+        assert sorted(entry.get("variants", {})) == (["plain"] if decode else [])
         for platform in ("cuda", "tpu"):
-            blob = (out / entry["files"][platform]["path"]).read_bytes()
-            exported = jax.export.deserialize(bytearray(blob))
-            assert exported.platforms == (platform,)
-            assert MARKERS[platform] in exported.mlir_module()
-            assert [list(a.shape) for a in exported.in_avals] == [
-                a["shape"] for a in entry["inputs"]
-            ]
+            for sampler, node in programs(entry):
+                blob = (out / node["files"][platform]["path"]).read_bytes()
+                exported = jax.export.deserialize(bytearray(blob))
+                assert exported.platforms == (platform,)
+                module = exported.mlir_module()
+                assert MARKERS[platform] in module
+                assert ("stablehlo.sort" in module) == (sampler == "full"), (entry, sampler)
+                assert [list(a.shape) for a in exported.in_avals] == [
+                    a["shape"] for a in entry["inputs"]
+                ]
+
+
+def test_no_sampler_variants_exports_one_program_a_bucket(tmp_path):
+    """`--no-sampler-variants`: the decode bucket holds the full sampler's step only, and
+    serving runs it for greedy decode steps too."""
+    import json
+
+    from jaxmamba.cli import main
+
+    out = tmp_path / "art"
+    argv = ["export", "--model", "nemotron-h-tiny", "--out", str(out), "--max-num-seqs", "1",
+            "--max-model-len", "16", "--max-num-batched-tokens", "8",
+            "--no-sampler-variants"]  # fmt: skip
+    assert main(argv) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert any(b["num_decode"] == b["num_rows"] for b in manifest["buckets"])
+    assert all("variants" not in b for b in manifest["buckets"])
+    assert len(list((out / "steps" / "cpu").iterdir())) == len(manifest["buckets"])
+    from jaxmamba import LLM, SamplingParams
+
+    llm = LLM(str(out), compilation_cache=False)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
+    assert llm.runner.variant_steps["full"] == 3 and llm.runner.variant_steps["plain"] == 0
 
 
 _WARM_CACHE_SCRIPT = """

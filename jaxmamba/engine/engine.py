@@ -212,8 +212,8 @@ class LLMEngine:
 
     # -- warm-up ------------------------------------------------------------------------------
     def precompile(self, show_progress: bool = True) -> int:
-        """Compile every bucket now (a `ModelRunner`: with the sampler variant of each decode
-        bucket); returns how many programs. Afterwards nothing compiles."""
+        """Compile every bucket now (with the sampler variant of each decode bucket, where the
+        runner has it); returns how many programs. Afterwards nothing compiles."""
         buckets = self.scheduler.all_buckets()
         start = time.perf_counter()
 
@@ -261,15 +261,11 @@ class LLMEngine:
         return scheduled, packed
 
     def _step(self, scheduled: ScheduledStep, inputs) -> jax.Array:
-        """Dispatch on the runner. A `ModelRunner` is told whether some row reads the top
-        logprobs (logprobs >= 1), so that a decode step that needs neither them nor a cut-off
-        runs the sampler without either; other runners (an artifact's, a multi-host leader)
-        run the full sampler, which gives the same tokens."""
-        nd = scheduled.bucket.num_decode
-        if not isinstance(self.runner, ModelRunner):
-            return self.runner.step(inputs, nd)
+        """Dispatch on the runner, telling it whether some row reads the top logprobs
+        (logprobs >= 1): a decode step that needs neither them nor a cut-off may run the
+        sampler without either (`jaxmamba.engine.runner.choose_sampler`)."""
         asks = any(row.request.params.logprobs for row in scheduled.rows)
-        return self.runner.step(inputs, nd, top_logprobs=asks)
+        return self.runner.step(inputs, scheduled.bucket.num_decode, top_logprobs=asks)
 
     def _count(self, step: ScheduledStep) -> None:
         st = self.stats

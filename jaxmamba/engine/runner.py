@@ -108,6 +108,30 @@ TRACE_COUNTS: Counter = Counter()
 FULL, PLAIN = "full", "plain"
 
 
+def variants_enabled() -> bool:
+    """Whether steps may run the PLAIN variant (`JAXMAMBA_SAMPLER_VARIANTS=0`: never)."""
+    return os.environ.get("JAXMAMBA_SAMPLER_VARIANTS", "1") != "0"
+
+
+def bucket_samplers(num_rows: int, num_decode: int) -> tuple[str, ...]:
+    """The sampler programs of a bucket: a pure decode bucket has the PLAIN variant too (a
+    mixed step pays the sort beside a prefill that costs far more)."""
+    return (FULL, PLAIN) if num_decode == num_rows else (FULL,)
+
+
+def choose_sampler(inputs: StepInputs, num_decode: int, top_logprobs: bool, vocab: int) -> str:
+    """PLAIN for a pure decode step whose rows need neither the cut-off nor the top logprobs
+    (`top_logprobs`: some row asks for them), read from the host inputs; else FULL. Inputs
+    already on the device count as needing everything (no read back)."""
+    rows = np.shape(inputs.state_slots)[0]
+    if top_logprobs or num_decode != rows:
+        return FULL
+    arrays = (inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p)
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        return FULL
+    return FULL if needs_cutoff(*arrays, vocab) else PLAIN
+
+
 def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
             num_decode, sampler: str = FULL):  # fmt: skip
     """One engine step: forward, sample at each row's last token, remember the samples.
@@ -269,10 +293,7 @@ class ModelRunner:
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
         self.slot_state = slot_state
         # The PLAIN sampler variant of decode steps (the sharded step has the full one only).
-        self.sampler_variants = (
-            tensor_parallel_size == 1 and mesh is None
-            and os.environ.get("JAXMAMBA_SAMPLER_VARIANTS", "1") != "0"
-        )  # fmt: skip
+        self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler variant
 
     @property
@@ -295,16 +316,10 @@ class ModelRunner:
         return logits
 
     def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool) -> str:
-        """PLAIN for a pure decode step whose rows need neither the cut-off nor the top
-        logprobs (`top_logprobs`: some row asks for them), read from the host inputs; else
-        FULL. Inputs already on the device count as needing everything (no read back)."""
-        rows = np.shape(inputs.state_slots)[0]
-        if not self.sampler_variants or top_logprobs or num_decode != rows:
+        """The sampler program `step` runs for these inputs (`choose_sampler`)."""
+        if not self.sampler_variants:
             return FULL
-        arrays = (inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p)
-        if not all(isinstance(a, np.ndarray) for a in arrays):
-            return FULL
-        return FULL if needs_cutoff(*arrays, self.cfg.vocab_size) else PLAIN
+        return choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size)
 
     def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True) -> jax.Array:
         """Dispatch one step; returns the packed device output without waiting for it.
@@ -333,7 +348,8 @@ class ModelRunner:
         """`(bucket, sampler)` of every program `step` can run for these buckets."""
         out = [(b, FULL) for b in buckets]
         if self.sampler_variants:
-            out += [(b, PLAIN) for b in buckets if b.num_decode == b.num_rows]
+            out += [(b, PLAIN) for b in buckets
+                    if PLAIN in bucket_samplers(b.num_rows, b.num_decode)]  # fmt: skip
         return out
 
     def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:

@@ -4,6 +4,9 @@
                                  every bucket's input/output shapes, dtypes and shardings,
                                  and the sha256 of every file below
     DIR/steps/<platform>/<T>x<B>x<D>.jaxexport   the serialized `jax.export` step of a bucket
+    DIR/steps/<platform>/<T>x<B>x<D>.plain.jaxexport   a decode bucket's PLAIN sampler program
+                                 (the same signature; listed under the entry's "variants")
+    DIR/steps/<platform>/*.executable   with --executables: those steps compiled for a device
     DIR/weights/                 the params as an Orbax checkpoint (absent with --no-weights)
     DIR/tokenizer/               the model's tokenizer files, if it has any
 
@@ -94,6 +97,13 @@ class Artifact:
 
     def buckets(self) -> list[dict]:
         return self.manifest["buckets"]
+
+
+def programs(entry: dict) -> list[tuple[str, dict]]:
+    """`(sampler, node)` of every program a bucket's manifest entry holds: the full sampler's
+    files in the entry itself, each variant's (by its `jaxmamba.engine.runner` name) in
+    `entry["variants"]`; a node has "files" and, with --executables, "executables"."""
+    return [("full", entry), *entry.get("variants", {}).items()]
 
 
 REQUIRED = ("format", "format_version", "jax_version", "platforms", "model", "dtype", "engine",

@@ -71,6 +71,7 @@ def cmd_export(args) -> int:
         overwrite=args.overwrite,
         executables=args.executables,
         workers=args.workers,
+        sampler_variants=args.sampler_variants,
         progress=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     print(f"wrote {out} ({', '.join(platforms)}) in {time.perf_counter() - start:.1f} s")
@@ -112,6 +113,14 @@ def add_parsers(sub, add_model_args, add_engine_args) -> None:
         type=int,
         default=1,
         help="trace and lower the steps in this many processes (tracing holds the GIL)",
+    )
+    exp.add_argument(
+        "--no-sampler-variants",
+        dest="sampler_variants",
+        action="store_const",
+        const=False,
+        help="export one program a bucket: without the sort-free sampler program of each "
+        "decode bucket (greedy and plain-temperature decode steps then pay the sampler's sort)",
     )
     exp.set_defaults(func=cmd_export)
     add_more_parsers(sub, add_model_args, add_engine_args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,8 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.config import EngineConfig
-from jaxmamba.export.artifact import Artifact, ArtifactError, read_artifact
+from jaxmamba.engine.runner import FULL, choose_sampler, variants_enabled
+from jaxmamba.export.artifact import Artifact, ArtifactError, programs, read_artifact
 from jaxmamba.model.cache import CacheSpec
 
 _COMPILE = threading.local()  # per compiling thread: did its last compile hit the disk cache
@@ -49,9 +51,10 @@ def _bucket_key(entry: dict) -> tuple[int, int, int]:
 
 
 class ArtifactRunner:
-    """`ModelRunner`'s interface (`cfg`, `cache_spec`, `dtype`, `step`, `precompile`,
-    `num_compiles`) on an artifact's exported steps. `params`: the flat weight leaves in the
-    exported order (from the artifact's Orbax checkpoint, or given)."""
+    """`ModelRunner`'s interface (`cfg`, `cache_spec`, `dtype`, `step`, `programs`,
+    `precompile`, `num_compiles`) on an artifact's exported steps. `params`: the flat weight
+    leaves in the exported order (from the artifact's Orbax checkpoint, or given). A decode
+    bucket exported with its PLAIN sampler program runs it when `ModelRunner` would."""
 
     def __init__(self, artifact: Artifact, params=None, *, platform: str | None = None,
                  weights: str | os.PathLike | None = None):  # fmt: skip
@@ -66,11 +69,13 @@ class ArtifactRunner:
         self.cache = _zeros(m["state"]["cache"])
         self.slot_state = _zeros(m["state"]["slot_state"])
         self._entries = {_bucket_key(e): e for e in artifact.buckets()}
-        self._steps: dict[tuple[int, int, int], Callable] = {}
+        self._steps: dict[tuple, Callable] = {}  # (bucket, sampler) -> its step
         self._lock = threading.Lock()
+        self.sampler_variants = variants_enabled()
+        self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
         self.loaded_executables = 0  # steps loaded compiled (`export --executables`)
-        # bucket -> (its compiled step, compiled here afresh rather than read from the cache)
-        self.compiled: dict[tuple[int, int, int], tuple] = {}
+        # (bucket, sampler) -> (its compiled step, compiled here afresh, not from the cache)
+        self.compiled: dict[tuple, tuple] = {}
 
     def _check_state(self) -> None:
         """The cache and sampler state the manifest lists are what its `model` and `cache`
@@ -148,8 +153,13 @@ class ArtifactRunner:
     def buckets(self) -> list[tuple[int, int, int]]:
         return list(self._entries)
 
-    def _step(self, key: tuple[int, int, int]) -> Callable:
-        fn = self._steps.get(key)
+    def _programs(self, key: tuple[int, int, int]) -> dict[str, dict]:
+        """The sampler programs this runner runs for a bucket: its manifest nodes by name."""
+        held = dict(programs(self._entries[key]))
+        return held if self.sampler_variants else {FULL: held[FULL]}
+
+    def _step(self, key: tuple[int, int, int], sampler: str = FULL) -> Callable:
+        fn = self._steps.get((key, sampler))
         if fn is not None:
             return fn
         entry = self._entries.get(key)
@@ -158,11 +168,12 @@ class ArtifactRunner:
                 f"{self.artifact.where}: no exported step for bucket (num_tokens, num_rows, "
                 f"num_decode)={key}; the artifact holds {sorted(self._entries)}"
             )
-        files = entry["files"]
+        node = dict(programs(entry))[sampler]
+        files = node["files"]
         if self.platform not in files:
             raise ArtifactError(
-                f"{self.artifact.where}: bucket {key} field 'files' holds platforms "
-                f"{sorted(files)}, expected one for {self.platform!r}"
+                f"{self.artifact.where}: bucket {key} ({sampler} sampler) field 'files' holds "
+                f"platforms {sorted(files)}, expected one for {self.platform!r}"
             )
         path = self.artifact.file(files[self.platform]["path"], files[self.platform]["sha256"])
         try:
@@ -170,22 +181,23 @@ class ArtifactRunner:
         except Exception as e:
             raise ArtifactError(f"{path}: corrupted: jax.export cannot read it ({e})") from e
         _check_exported(exported, entry, key, self.platform, self.artifact.where)
-        fn = self._load_executable(entry, key) or jax.jit(exported.call, donate_argnums=(1, 2))
+        fn = self._load_executable(node) or jax.jit(exported.call, donate_argnums=(1, 2))
         with self._lock:
-            self._steps.setdefault(key, fn)
-        return self._steps[key]
+            self._steps.setdefault((key, sampler), fn)
+        return self._steps[key, sampler]
 
-    def _load_executable(self, entry: dict, key):
-        """The bucket's serialized compiled step, if the artifact has one for this platform
-        and device (`export --executables`); None otherwise. Loading unpickles: artifacts are
-        trusted files (their sha256 is checked, their origin is not)."""
+    def _load_executable(self, node: dict):
+        """A program's serialized compiled step (`node`: its manifest entry, `programs`), if
+        the artifact has one for this platform and device (`export --executables`); None
+        otherwise. Loading unpickles: artifacts are trusted files (their sha256 is checked,
+        their origin is not)."""
         import pickle
 
         from jax.experimental.serialize_executable import deserialize_and_load
 
         from jaxmamba.export.writer import device_key
 
-        stored = entry.get("executables", {}).get(self.platform)
+        stored = node.get("executables", {}).get(self.platform)
         if stored is None or stored["device"] != device_key():
             return None
         path = self.artifact.file(stored["path"], stored["sha256"])
@@ -196,42 +208,63 @@ class ArtifactRunner:
         return loaded
 
     def load_steps(self, workers: int | None = None) -> None:
-        """Read, check (sha256, platform, shapes) and deserialize every bucket's step now, in
-        `workers` threads (default: one per core, at most 8)."""
+        """Read, check (sha256, platform, shapes) and deserialize every program's step now,
+        in `workers` threads (default: one per core, at most 8)."""
         workers = workers or max(1, min(8, os.cpu_count() or 1))
+        jobs = [(key, sampler) for key in self._entries for sampler in self._programs(key)]
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(self._step, list(self._entries)))
+            list(pool.map(lambda job: self._step(*job), jobs))
 
-    def step(self, inputs, num_decode: int) -> jax.Array:
-        """Dispatch one step; returns the packed device output without waiting for it."""
+    def programs(self, buckets) -> list[tuple]:
+        """`(bucket, sampler)` of every program `step` can run for these buckets."""
+        keys = [(b, (b.num_tokens, b.num_rows, b.num_decode)) for b in buckets]
+        return [(b, sampler) for b, key in keys for sampler in self._programs(key)]
+
+    def sampler_variant(self, inputs, num_decode: int, top_logprobs: bool) -> str:
+        """The sampler program `step` runs for these inputs: `ModelRunner`'s choice
+        (`choose_sampler`) where the artifact holds that program, else the full one."""
         key = (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
                int(num_decode))  # fmt: skip
-        packed, self.cache, self.slot_state = self._step(key)(
+        if key not in self._entries:
+            return FULL  # `_step` names the missing bucket
+        sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size)
+        return sampler if sampler in self._programs(key) else FULL
+
+    def step(self, inputs, num_decode: int, *, top_logprobs: bool = True) -> jax.Array:
+        """Dispatch one step; returns the packed device output without waiting for it.
+        `top_logprobs=False`: no row reads the top logprobs, as in `ModelRunner.step`."""
+        key = (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
+               int(num_decode))  # fmt: skip
+        sampler = self.sampler_variant(inputs, num_decode, top_logprobs)
+        fn = self._step(key, sampler)
+        self.variant_steps[sampler] += 1
+        packed, self.cache, self.slot_state = fn(
             self.params, self.cache, self.slot_state, jax.device_put(jax.tree.leaves(inputs))
         )
         return packed
 
-    def _compile(self, key, inputs) -> None:
-        fn = self._step(key)
+    def _compile(self, program, inputs) -> None:
+        fn = self._step(*program)
         if not hasattr(fn, "lower"):
             return  # a loaded executable: nothing to compile
         _COMPILE.hit = False
         lowered = fn.lower(self.params, self.cache, self.slot_state, jax.tree.leaves(inputs))
         compiled = lowered.compile()
-        self.compiled[key] = (compiled, not _COMPILE.hit)
+        self.compiled[program] = (compiled, not _COMPILE.hit)
 
     def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None):
-        """Compile the step of every bucket (in a thread pool: XLA compiles release the GIL),
-        then run each once on padding only."""
-        keys = [(b.num_tokens, b.num_rows, b.num_decode) for b in buckets]
-        inputs = [build_inputs(b) for b in buckets]
+        """Compile every program of these buckets (`programs`; in a thread pool: XLA
+        compiles release the GIL), then run each once on padding only."""
+        progs = self.programs(buckets)
+        keys = [((b.num_tokens, b.num_rows, b.num_decode), sampler) for b, sampler in progs]
+        inputs = [build_inputs(b) for b, _ in progs]
         workers = workers or max(1, min(8, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
             for i, _ in enumerate(pool.map(self._compile, keys, inputs)):
                 if progress is not None:
-                    progress(i + 1, len(buckets), buckets[i])
-        for bucket, x in zip(buckets, inputs, strict=True):
-            jax.block_until_ready(self.step(x, bucket.num_decode))
+                    progress(i + 1, len(progs), progs[i][0])
+        for (bucket, sampler), x in zip(progs, inputs, strict=True):
+            jax.block_until_ready(self.step(x, bucket.num_decode, top_logprobs=sampler == FULL))
 
     def forward_logits(self, inputs, num_decode: int):
         raise NotImplementedError("an exported artifact holds the sampling step only")

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from jaxmamba.export.artifact import (
     PLATFORM_IMPLS,
     UNSTABLE_CUSTOM_CALLS,
     bucket_name,
+    programs,
     runtime_platform,
     sha256,
 )
@@ -31,13 +33,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "config.json")  # fmt: skip
 
 
-def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_decode):
-    """The engine step on flat lists of leaves: what an artifact stores for one bucket."""
+def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_decode, sampler):
+    """The engine step on flat lists of leaves: what an artifact stores for one bucket (and
+    sampler program)."""
     from jaxmamba.engine.runner import step_fn
 
     args = [jax.tree.unflatten(t, leaves) for t, leaves in
             zip(trees, (params, cache, slot_state, inputs), strict=True)]  # fmt: skip
-    packed, cache, slot_state = step_fn(*args, model=model, spec=spec, num_decode=num_decode)
+    packed, cache, slot_state = step_fn(*args, model=model, spec=spec, num_decode=num_decode,
+                                        sampler=sampler)  # fmt: skip
     return packed, jax.tree.leaves(cache), jax.tree.leaves(slot_state)
 
 
@@ -83,12 +87,13 @@ def compile_serialized(exported) -> bytes:
 
 
 def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> Path:
-    """A copy of the artifact `src` at `out` that also holds, for every bucket `runner` (an
-    `ArtifactRunner` of `src`) has compiled, that step serialized for this machine, as
-    `export --executables` stores it. A step the runner read back from the persistent cache,
-    or one XLA cannot serialize as it is, is compiled afresh (`compile_serialized`): on XLA:CPU
-    the former does not load, and an executable whose sort got XLA:CPU's built-in comparator
-    was seen refusing to serialize while the same step compiled there did not."""
+    """A copy of the artifact `src` at `out` that also holds, for every program (bucket and
+    sampler) `runner` (an `ArtifactRunner` of `src`) has compiled, that step serialized for
+    this machine, as `export --executables` stores it. A step the runner read back from the
+    persistent cache, or one XLA cannot serialize as it is, is compiled afresh
+    (`compile_serialized`): on XLA:CPU the former does not load, and an executable whose sort
+    got XLA:CPU's built-in comparator was seen refusing to serialize while the same step
+    compiled there did not."""
     import pickle
 
     from jax.experimental.serialize_executable import serialize
@@ -101,24 +106,25 @@ def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> P
     platform = runtime_platform()
     for entry in manifest["buckets"]:
         key = (entry["num_tokens"], entry["num_rows"], entry["num_decode"])
-        if key not in runner.compiled or platform not in entry["files"]:
-            continue
-        compiled, fresh = runner.compiled[key]
-        rel = entry["files"][platform]["path"].replace(".jaxexport", ".executable")
-        blob = None
-        if fresh:
-            try:
-                blob = pickle.dumps(serialize(compiled))
-            except jax.errors.JaxRuntimeError:  # XLA:CPU: "`LessThan` is not serializable"
-                blob = None
-        if blob is None:
-            exported = jax.export.deserialize(bytearray((out / entry["files"][platform]["path"])
-                                                        .read_bytes()))  # fmt: skip
-            blob = compile_serialized(exported)
-        (out / rel).write_bytes(blob)
-        entry.setdefault("executables", {})[platform] = {
-            "path": rel, "sha256": sha256(out / rel), "device": device_key()
-        }  # fmt: skip
+        for sampler, node in programs(entry):
+            if (key, sampler) not in runner.compiled or platform not in node["files"]:
+                continue
+            compiled, fresh = runner.compiled[key, sampler]
+            rel = node["files"][platform]["path"].replace(".jaxexport", ".executable")
+            blob = None
+            if fresh:
+                try:
+                    blob = pickle.dumps(serialize(compiled))
+                except jax.errors.JaxRuntimeError:  # XLA:CPU: "`LessThan` is not serializable"
+                    blob = None
+            if blob is None:
+                exported = jax.export.deserialize(
+                    bytearray((out / node["files"][platform]["path"]).read_bytes()))  # fmt: skip
+                blob = compile_serialized(exported)
+            (out / rel).write_bytes(blob)
+            node.setdefault("executables", {})[platform] = {
+                "path": rel, "sha256": sha256(out / rel), "device": device_key()
+            }  # fmt: skip
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return out
 
@@ -153,15 +159,17 @@ def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
     return flat, trees
 
 
-def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, impl=None):
-    """`jax.export` of one bucket's step for `platform` (flat leaves in and out)."""
+def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, impl=None,
+                sampler: str = "full"):  # fmt: skip
+    """`jax.export` of one bucket's step for `platform` (flat leaves in and out), with the
+    `sampler` program (`jaxmamba.engine.runner.FULL` or `PLAIN`)."""
     from jaxmamba.model.model import Mamba2HybridLM
 
     model = Mamba2HybridLM(cfg, dtype, impl or PLATFORM_IMPLS[platform])
     flat, trees = step_specs(cfg, spec, dtype, params_tree, builder, bucket)
     fn = jax.jit(
         functools.partial(_flat_step, trees=trees, model=model, spec=spec,
-                          num_decode=bucket.num_decode),
+                          num_decode=bucket.num_decode, sampler=sampler),
         donate_argnums=(1, 2),
     )  # fmt: skip
     disabled = [jax.export.DisabledSafetyCheck.custom_call(c) for c in UNSTABLE_CUSTOM_CALLS]
@@ -201,13 +209,13 @@ def _worker_init() -> None:
 
 
 def _export_job(job) -> tuple[bytes, float]:
-    """In an export worker: one bucket's serialized step for one platform, and the seconds
-    its tracing and lowering took."""
+    """In an export worker: one bucket's serialized step for one platform and sampler
+    program, and the seconds its tracing and lowering took."""
     from jaxmamba.engine.batch import Bucket
     from jaxmamba.llm import DTYPES
     from jaxmamba.model.params import param_shapes
 
-    model, engine, dtype, bucket, platform = job
+    model, engine, dtype, bucket, platform, sampler = job
     key = (model, json.dumps(engine, sort_keys=True), dtype)
     if key not in _WORKER_SETUP:
         _WORKER_SETUP[key] = _setup(model, engine, dtype)
@@ -215,7 +223,7 @@ def _export_job(job) -> tuple[bytes, float]:
     jdtype = DTYPES[dtype_name]
     start = time.perf_counter()
     exp = export_step(cfg, spec, jdtype, param_shapes(cfg, jdtype), builder, Bucket(*bucket),
-                      platform)  # fmt: skip
+                      platform, sampler=sampler)  # fmt: skip
     return exp.serialize(), time.perf_counter() - start
 
 
@@ -248,6 +256,7 @@ def export_artifact(
     overwrite: bool = False,
     executables: bool = False,
     workers: int = 1,
+    sampler_variants: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Export `model` (a preset, YAML or HF checkpoint) served with the `engine` settings
@@ -259,8 +268,13 @@ def export_artifact(
     `weights=` a checkpoint then brings them. `executables=True` (`--executables`) also
     stores each step compiled for this machine's platform and device (when it is among
     `platforms`): a process on the same device kind and jaxlib loads it without compiling.
-    `workers > 1` traces and lowers the steps in that many processes."""
+    `workers > 1` traces and lowers the steps in that many processes. `sampler_variants`
+    (default: unless `JAXMAMBA_SAMPLER_VARIANTS=0`) also exports each pure decode bucket's
+    sort-free PLAIN sampler program, which serving runs when no row of a decode step filters
+    or asks for top logprobs (`jaxmamba.engine.runner`); False (`--no-sampler-variants`)
+    exports one program a bucket."""
     from jaxmamba.config import checkpoint_dir
+    from jaxmamba.engine.runner import FULL, bucket_samplers, variants_enabled
     from jaxmamba.engine.scheduler import Scheduler
     from jaxmamba.llm import DTYPES, load_params
     from jaxmamba.model.cache import cache_shapes
@@ -286,12 +300,18 @@ def export_artifact(
     all_buckets = Scheduler(cfg, engine_cfg).all_buckets()
     buckets = list(all_buckets if buckets is None else buckets)
     params_tree = param_shapes(cfg, jdtype)
-    exported = {}  # (bucket, platform) -> serialized step, from the workers
+    if sampler_variants is None:
+        sampler_variants = variants_enabled()
+
+    def samplers(bucket) -> tuple[str, ...]:
+        return bucket_samplers(bucket.num_rows, bucket.num_decode) if sampler_variants else (FULL,)
+
+    exported = {}  # (bucket, platform, sampler) -> serialized step, from the workers
     if workers > 1:
-        jobs = [(str(model), engine, dtype, dataclasses.astuple(b), p)
-                for b in buckets for p in platforms]  # fmt: skip
+        jobs = [(str(model), engine, dtype, dataclasses.astuple(b), p, s)
+                for b in buckets for p in platforms for s in samplers(b)]  # fmt: skip
         for job, (blob, _) in zip(jobs, _export_in_workers(jobs, workers, say), strict=True):
-            exported[job[3], job[4]] = blob
+            exported[job[3:]] = blob
 
     weights_entry = None
     if weights:
@@ -317,34 +337,45 @@ def export_artifact(
     for bucket in buckets:
         entry = {"num_tokens": bucket.num_tokens, "num_rows": bucket.num_rows,
                  "num_decode": bucket.num_decode, "files": {}}  # fmt: skip
-        for platform in platforms:
+        name = bucket_name(*dataclasses.astuple(bucket))
+        for platform, sampler in itertools.product(platforms, samplers(bucket)):
             start = time.perf_counter()
-            blob = exported.get((dataclasses.astuple(bucket), platform))
+            blob = exported.get((dataclasses.astuple(bucket), platform, sampler))
             if blob is None:
-                exp = export_step(cfg, spec, jdtype, params_tree, builder, bucket, platform)
+                exp = export_step(cfg, spec, jdtype, params_tree, builder, bucket, platform,
+                                  sampler=sampler)  # fmt: skip
                 blob = exp.serialize()
             else:
                 exp = jax.export.deserialize(bytearray(blob))
-            rel = f"steps/{platform}/{bucket_name(*dataclasses.astuple(bucket))}.jaxexport"
+            # The full program's files sit in the bucket's entry, a variant's in
+            # entry["variants"][sampler] (`artifact.programs`).
+            node = entry if sampler == FULL else entry.setdefault("variants", {}).setdefault(
+                sampler, {"files": {}})  # fmt: skip
+            stem = name if sampler == FULL else f"{name}.{sampler}"
+            rel = f"steps/{platform}/{stem}.jaxexport"
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(blob)
-            entry["files"][platform] = {"path": rel, "sha256": sha256(tmp / rel)}
+            node["files"][platform] = {"path": rel, "sha256": sha256(tmp / rel)}
             if executables and platform == runtime_platform():
                 rel_x = rel.replace(".jaxexport", ".executable")
                 (tmp / rel_x).write_bytes(compile_serialized(exp))
-                entry.setdefault("executables", {})[platform] = {
+                node.setdefault("executables", {})[platform] = {
                     "path": rel_x,
                     "sha256": sha256(tmp / rel_x),
                     "device": device_key(),
                 }
+            avals = {"inputs": [_aval(a) for a in exp.in_avals],
+                     "outputs": [_aval(a) for a in exp.out_avals]}  # fmt: skip
             if "inputs" not in entry:
-                entry["inputs"] = [_aval(a) for a in exp.in_avals]
-                entry["outputs"] = [_aval(a) for a in exp.out_avals]
+                entry.update(avals)
                 entry["in_shardings"] = [str(s) for s in exp.in_shardings_hlo]
                 entry["out_shardings"] = [str(s) for s in exp.out_shardings_hlo]
                 entry["num_devices"] = exp.nr_devices
+            elif any(entry[k] != v for k, v in avals.items()):
+                raise RuntimeError(f"bucket {name}: the {sampler} program's signature differs")
             say(f"exported {platform} step T={bucket.num_tokens} B={bucket.num_rows} "
-                f"decode={bucket.num_decode} in {time.perf_counter() - start:.1f} s")  # fmt: skip
+                f"decode={bucket.num_decode} ({sampler} sampler) in "
+                f"{time.perf_counter() - start:.1f} s")  # fmt: skip
         entries.append(entry)
 
     slot_avals, _ = step_specs(cfg, spec, jdtype, params_tree, builder, buckets[0])
