@@ -238,9 +238,12 @@ class ArtifactRunner:
         sampler = self.sampler_variant(inputs, num_decode, top_logprobs)
         fn = self._step(key, sampler)
         self.variant_steps[sampler] += 1
-        packed, self.cache, self.slot_state = fn(
-            self.params, self.cache, self.slot_state, jax.device_put(jax.tree.leaves(inputs))
-        )
+        # The host arrays go in as they are: the executable's C++ dispatch moves them, ~1 ms
+        # a step against 3-8 ms for a Python `device_put` of the 29 (CPU, 32 decode rows).
+        with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
+            packed, self.cache, self.slot_state = fn(
+                self.params, self.cache, self.slot_state, jax.tree.leaves(inputs)
+            )
         return packed
 
     def _compile(self, program, inputs) -> None:
