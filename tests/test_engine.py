@@ -19,15 +19,18 @@ def tiny_params():
     return init_params(ModelConfig.from_preset(TINY), seed=0)
 
 
-# Every engine of this module gets the same pool sizes (on CPU, caching on defaults to twice
-# max_num_seqs slots and twice its pages), with the prefix cache on or off: the cache shape is
-# static in the jitted step, so equal pools share one compiled program per bucket.
-POOL = {"num_state_slots": 8, "num_pages": 80}
+# Every engine of this module gets the same shapes: rows, max_model_len and a pool small
+# enough that the shared-prefix workloads evict (on CPU, caching on would default to twice
+# max_num_seqs slots and twice its pages), with the prefix cache on or off. The cache shape
+# and the page table are static in the jitted step, so equal shapes share one compiled
+# program per bucket, and a token budget at or under 64 (a ladder 16, 32, 64) reuses the
+# buckets of the 64 one: the module compiles each program of the tiny model once (most of
+# its time on CPU is XLA compiling).
+SHAPES = {"max_num_seqs": 4, "max_model_len": 160, "num_state_slots": 6, "num_pages": 44}
 
 
 def tiny_llm(params, **kw):
-    kw = {"max_num_seqs": 4, "max_model_len": 160, "max_num_batched_tokens": 64, **POOL, **kw}
-    return LLM(TINY, params=params, **kw)
+    return LLM(TINY, params=params, **{"max_num_batched_tokens": 64, **SHAPES, **kw})
 
 
 def greedy(n=6):
@@ -63,7 +66,7 @@ def model_and_params(request, tmp_path_factory, tiny_params):
 
 def test_16_requests_through_4_rows_match_each_request_alone(model_and_params):
     model, params = model_and_params
-    kw = dict(max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64, **POOL)
+    kw = dict(max_num_batched_tokens=64, **SHAPES)
     llm = LLM(model, params=params, **kw)
     vocab = min(llm.model_cfg.vocab_size, 256)
     rng = np.random.default_rng(0)
@@ -82,9 +85,13 @@ def test_16_requests_through_4_rows_match_each_request_alone(model_and_params):
 
 
 def test_chunked_prefill_matches_unchunked(tiny_params):
-    prompts = prompts_of([150, 77, 16, 130], seed=2)
+    # A 16- and a 64-token budget (shared by a step's rows) cut the prompts, two of them near
+    # max_model_len, at different places; the 64 one prefills the short ones whole when they
+    # get a step to themselves. Against one whole prefill of each prompt, at the step level:
+    # test_step_semantics.py::test_chunked_prefill_matches_full_prefill.
+    prompts = prompts_of([150, 77, 16, 130, 61, 40], seed=2)
     small = tiny_llm(tiny_params, max_num_batched_tokens=16)
-    big = tiny_llm(tiny_params, max_num_batched_tokens=256)
+    big = tiny_llm(tiny_params, max_num_batched_tokens=64)
     a = token_ids(small.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
     b = token_ids(big.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
     assert a == b
@@ -116,7 +123,7 @@ def test_prefix_cache_hit_reuses_checkpoint_and_matches_cache_off(tiny_params):
 
 
 def test_shared_prefix_workload_under_eviction_pressure_returns_everything(tiny_params):
-    llm = tiny_llm(tiny_params, num_state_slots=6, num_pages=44, track_interval=32)
+    llm = tiny_llm(tiny_params, track_interval=32)
     system = prompts_of([48], seed=5)[0]
     prompts = [system + p for p in prompts_of([5, 40, 17, 33, 2, 60, 9, 21], seed=6)]
     prompts += prompts_of([70, 3, 90], seed=7)  # unrelated ones push the cache out
@@ -157,7 +164,7 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_params):
 
 
 def test_generation_under_transfer_guard_compiles_nothing_after_precompile(tiny_params):
-    llm = tiny_llm(tiny_params, max_num_seqs=2, max_num_batched_tokens=32, precompile=True)
+    llm = tiny_llm(tiny_params, precompile=True)
     compiled = llm.stats()["compilations"]
     assert compiled >= len(llm.engine.scheduler.all_buckets()) > 0
     llm.engine.precompile(show_progress=False)  # every bucket is already compiled
@@ -217,7 +224,7 @@ def scheduler_state(scheduler):
 def test_a_step_that_raises_leaves_every_slot_page_and_request_where_it_was(
     tiny_params, monkeypatch, where
 ):
-    llm = tiny_llm(tiny_params, num_state_slots=6, num_pages=44, track_interval=32)
+    llm = tiny_llm(tiny_params, track_interval=32)
     engine, scheduler = llm.engine, llm.engine.scheduler
     system = prompts_of([48], seed=5)[0]
     warm = [system + p for p in prompts_of([5, 40, 17], seed=6)]
