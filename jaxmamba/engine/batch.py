@@ -7,6 +7,8 @@ Validation happens here, in numpy, before anything is dispatched: a malformed st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -92,6 +94,65 @@ def smallest_fitting(sizes: list[int], n: int, what: str) -> int:
     raise ValueError(f"{what} {n} exceeds the largest bucket {sizes[-1]}")
 
 
+_TOKENS = attrgetter("tokens")
+_SLOTS = attrgetter("state_slot", "init_slot")
+_SEED = attrgetter("seed")
+# A row's scalar fields read in one pass, and the StepInputs array each fills (None: used
+# by the builder only).
+_SCALARS = attrgetter(
+    "prefix_len", "state_slot", "fork", "token_from_device", "temperature", "top_p", "top_k",
+    "sample_counter", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+_SCALAR_INPUTS = (
+    "prefix_lens", "state_slots", None, "tokens_from_device", "temperature", "top_p", "top_k",
+    "sample_counters", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+_FROM_DEVICE = 3
+_NUM_SCALARS = len(_SCALAR_INPUTS)
+
+
+def _is_rare(row: RowSpec) -> bool:
+    """The row has a field that few rows use (read row by row)."""
+    return bool(
+        row.forks or row.fork or row.track_slot is not None or row.tracks
+        or row.min_tokens > 0 or row.logit_bias or row.prompt_logprob_targets
+    )  # fmt: skip
+
+
+class _Columns:
+    """The rows' fields as arrays, read once for the checks and the packing."""
+
+    def __init__(self, rows: list[RowSpec]):
+        n = len(rows)
+        token_lists = list(map(_TOKENS, rows))
+        self.lens = np.fromiter(map(len, token_lists), np.int64, n)
+        self.pages = list(map(attrgetter("pages"), rows))
+        self.rare = [r for r, row in enumerate(rows) if _is_rare(row)]
+        try:
+            self.tokens = np.fromiter(chain.from_iterable(token_lists), np.int64,
+                                      int(self.lens.sum()))  # fmt: skip
+            self.values = np.array(list(map(_SCALARS, rows)), np.float64).reshape(n, _NUM_SCALARS)
+        except (OverflowError, TypeError, ValueError):  # the checks name the bad field
+            self.tokens = np.zeros(int(self.lens.sum()), np.int64)
+            self.values = None
+            return
+        self.prefix = self.values[:, 0].astype(np.int64)
+        self.slots = self.values[:, 1].astype(np.int64)
+        self.forked = self.values[:, 2].astype(bool)
+
+
+def _fill_ragged(out: np.ndarray, lists: list) -> None:
+    """`out[r, :len(lists[r])] = lists[r]` for every r, as one fancy-indexed assignment."""
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    total = int(lens.sum())
+    if total == 0:
+        return
+    rows = np.repeat(np.arange(len(lists)), lens)
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    out[rows, np.arange(total) - starts] = np.fromiter(chain.from_iterable(lists), out.dtype,
+                                                        total)  # fmt: skip
+
+
 @dataclass
 class StepBuilder:
     """Packs rows into `StepInputs` for a bucket. Decode rows come first, one token each."""
@@ -100,6 +161,7 @@ class StepBuilder:
     max_pages_per_seq: int
     vocab_size: int
     chunk_size: int
+    _templates: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def build(
         self, rows: list[RowSpec], bucket: Bucket, num_decode_rows: int | None = None
@@ -119,113 +181,141 @@ class StepBuilder:
             filler = RowSpec([0], 0, self.spec.pad_slot, [])
             filler.init_slot = self.spec.pad_slot
             rows = rows[:real] + [filler] * (nd - real) + rows[real:]
-        self._validate(rows, bucket)
-        T, B = bucket.num_tokens, bucket.num_rows
-        pad_slot, pad_page = self.spec.pad_slot, self.spec.pad_page
-        input_ids = np.zeros(T, np.int32)
-        from_device = np.zeros(B, bool)
-        qsl = np.zeros(B + 1, np.int32)
-        prefix_lens = np.zeros(B, np.int32)
-        state_slots = np.full(B, pad_slot, np.int32)
-        init_slots = np.full(B, pad_slot, np.int32)
-        has_init = np.zeros(B, bool)
-        track_slots = np.full((B, MAX_PREFILL_CHECKPOINTS), pad_slot, np.int32)
-        track_lens = np.zeros((B, MAX_PREFILL_CHECKPOINTS), np.int32)
-        page_table = np.full((B, self.max_pages_per_seq), pad_page, np.int32)
-        temperature = np.zeros(B, np.float32)
-        top_p = np.ones(B, np.float32)
-        top_k = np.zeros(B, np.int32)
-        seeds = np.zeros(B, np.uint32)
-        counters = np.zeros(B, np.int32)
-        min_p = np.zeros(B, np.float32)
-        min_tokens = np.zeros(B, np.int32)
-        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
-        bias_ids = np.full((B, MAX_LOGIT_BIAS), -1, np.int32)
-        bias_values = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
-        presence = np.zeros(B, np.float32)
-        frequency = np.zeros(B, np.float32)
-        repetition = np.ones(B, np.float32)
-        penalty_reset = np.zeros(B, bool)
-        prompt_targets = np.full(T, -1, np.int32)
-        fork_src_slots = np.full(MAX_FORKS, pad_slot, np.int32)
-        fork_dst_slots = np.full(MAX_FORKS, pad_slot, np.int32)
-        fork_src_pages = np.full(MAX_FORKS, pad_page, np.int32)
-        fork_dst_pages = np.full(MAX_FORKS, pad_page, np.int32)
+        cols = _Columns(rows)
+        self._validate(rows, bucket, cols)
+        return self._pack(rows, bucket, cols)
+
+    def _defaults(self, bucket: Bucket) -> StepInputs:
+        """The bucket's arrays as padding rows have them (made once per bucket; copied)."""
+        out = self._templates.get(bucket)
+        if out is None:
+            T, B = bucket.num_tokens, bucket.num_rows
+            pad_slot, pad_page = self.spec.pad_slot, self.spec.pad_page
+            i32 = lambda shape, fill: np.full(shape, fill, np.int32)  # noqa: E731
+            f32 = lambda shape, fill: np.full(shape, fill, np.float32)  # noqa: E731
+            out = StepInputs(
+                i32(T, 0), np.zeros(B, bool), i32(B + 1, 0), i32(B, 0), i32(B, pad_slot),
+                i32(B, pad_slot), np.zeros(B, bool), i32((B, MAX_PREFILL_CHECKPOINTS), pad_slot),
+                i32((B, MAX_PREFILL_CHECKPOINTS), 0), i32((B, self.max_pages_per_seq), pad_page),
+                f32(B, 0.0), f32(B, 1.0), i32(B, 0), np.zeros(B, np.uint32), i32(B, 0),
+                f32(B, 0.0), i32(B, 0), i32((B, MAX_STOP_IDS), -1), i32((B, MAX_LOGIT_BIAS), -1),
+                f32((B, MAX_LOGIT_BIAS), 0.0), f32(B, 0.0), f32(B, 0.0), f32(B, 1.0),
+                np.zeros(B, bool), i32(T, -1), i32(MAX_FORKS, pad_slot),
+                i32(MAX_FORKS, pad_slot), i32(MAX_FORKS, pad_page), i32(MAX_FORKS, pad_page),
+            )  # fmt: skip
+            self._templates[bucket] = out
+        return out
+
+    def _pack(self, rows: list[RowSpec], bucket: Bucket, cols: _Columns) -> StepInputs:
+        """The arrays, a column at a time: the scalar fields of all rows are read in one pass
+        (`_Columns`) and set by one slice each, the ragged ones (tokens, pages) by one fancy
+        index each, and what few rows use (checkpoints, forks, logit bias, min_tokens, prompt
+        logprobs) only on the rows that have it. Padding rows keep the bucket's defaults."""
+        n, pad_slot = len(rows), self.spec.pad_slot
+        x = StepInputs(*(a.copy() for a in self._defaults(bucket)))
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(cols.lens, out=offsets[1:])
+        total = int(offsets[-1])
+        x.input_ids[:total] = cols.tokens
+        x.query_start_loc[: n + 1] = offsets
+        x.query_start_loc[n + 1 :] = total
+        v = cols.values
+        for k, name in enumerate(_SCALAR_INPUTS):
+            if name is not None:
+                getattr(x, name)[:n] = v[:, k]
+        slots, prefix, forked = cols.slots, cols.prefix, cols.forked
+        init = np.fromiter((slot if init is None else init
+                            for slot, init in map(_SLOTS, rows)), np.int64, n)  # fmt: skip
+        init[forked] = pad_slot  # a fork row's state comes from the fork copy
+        x.init_slots[:n] = init
+        real = slots != pad_slot
+        x.has_initial_state[:n] = (prefix > 0) & real & ~forked
+        # A request's first step starts from scratch or from a prefix-cache hit's slot.
+        x.penalty_reset[:n] = ((prefix == 0) | (init != slots)) & real
+        x.seeds[:n] = np.fromiter((seed & 0xFFFFFFFF for seed in map(_SEED, rows)), np.uint32, n)
+        _fill_ragged(x.page_table, cols.pages)
         num_forks = 0
-        offset = 0
-        for r, row in enumerate(rows):
-            n = len(row.tokens)
-            input_ids[offset : offset + n] = row.tokens
+        for r in cols.rare:  # the fields only some rows use
+            row = rows[r]
             if row.prompt_logprob_targets:
-                targets = row.prompt_logprob_targets[:n]
-                prompt_targets[offset : offset + len(targets)] = targets
-            offset += n
-            prefix_lens[r] = row.prefix_len
-            from_device[r] = row.token_from_device
-            state_slots[r] = row.state_slot
-            init_slots[r] = row.state_slot if row.init_slot is None else row.init_slot
-            has_init[r] = row.prefix_len > 0 and row.state_slot != pad_slot and not row.fork
-            if row.fork:
-                init_slots[r] = pad_slot  # its state comes from the fork copy
+                targets = row.prompt_logprob_targets[: cols.lens[r]]
+                x.prompt_logprob_targets[offsets[r] : offsets[r] + len(targets)] = targets
             for slot, src_page, dst_page in row.forks:
-                fork_src_slots[num_forks], fork_dst_slots[num_forks] = row.state_slot, slot
+                x.fork_src_slots[num_forks], x.fork_dst_slots[num_forks] = row.state_slot, slot
                 if src_page is not None:
-                    fork_src_pages[num_forks], fork_dst_pages[num_forks] = src_page, dst_page
+                    x.fork_src_pages[num_forks] = src_page
+                    x.fork_dst_pages[num_forks] = dst_page
                 num_forks += 1
             for k, (slot, length) in enumerate(row.checkpoints):
-                track_slots[r, k], track_lens[r, k] = slot, length
-            page_table[r, : len(row.pages)] = row.pages
-            temperature[r] = row.temperature
-            top_p[r] = row.top_p
-            top_k[r] = row.top_k
-            seeds[r] = np.uint32(row.seed & 0xFFFFFFFF)
-            counters[r] = row.sample_counter
-            min_p[r] = row.min_p
-            presence[r] = row.presence_penalty
-            frequency[r] = row.frequency_penalty
-            repetition[r] = row.repetition_penalty
-            # A request's first step starts from scratch or from a prefix-cache hit's slot.
-            first_step = row.prefix_len == 0 or init_slots[r] != row.state_slot
-            penalty_reset[r] = first_step and row.state_slot != pad_slot
+                x.track_slots[r, k], x.track_lens[r, k] = slot, length
             if row.min_tokens > 0:
-                min_tokens[r] = row.min_tokens
-                stop_ids[r, : len(row.stop_ids)] = row.stop_ids
+                x.min_tokens[r] = row.min_tokens
+                x.stop_ids[r, : len(row.stop_ids)] = row.stop_ids
             if row.logit_bias:
-                bias_ids[r, : len(row.logit_bias)] = list(row.logit_bias)
-                bias_values[r, : len(row.logit_bias)] = list(row.logit_bias.values())
-        qsl[1 : len(rows) + 1] = np.cumsum([len(row.tokens) for row in rows])
-        qsl[len(rows) + 1 :] = offset
-        return StepInputs(
-            input_ids, from_device, qsl, prefix_lens, state_slots, init_slots, has_init,
-            track_slots, track_lens, page_table, temperature, top_p, top_k, seeds, counters,
-            min_p, min_tokens, stop_ids, bias_ids, bias_values, presence, frequency, repetition,
-            penalty_reset, prompt_targets, fork_src_slots, fork_dst_slots, fork_src_pages,
-            fork_dst_pages,
-        )  # fmt: skip
+                x.logit_bias_ids[r, : len(row.logit_bias)] = list(row.logit_bias)
+                x.logit_bias_values[r, : len(row.logit_bias)] = list(row.logit_bias.values())
+        return x
 
     def padding(self, bucket: Bucket) -> StepInputs:
         """A step of padding only (every row on the pad slot): for warming a bucket up."""
         return self.build([], bucket, num_decode_rows=0)
 
-    def _validate(self, rows: list[RowSpec], bucket: Bucket) -> None:
+    def _validate(self, rows: list[RowSpec], bucket: Bucket, cols: _Columns) -> None:
         if len(rows) > bucket.num_rows:
             raise ValueError(f"{len(rows)} rows do not fit the bucket's {bucket.num_rows} rows")
-        total = sum(len(row.tokens) for row in rows)
+        total = len(cols.tokens)
         if total > bucket.num_tokens:
             raise ValueError(f"{total} tokens do not fit the bucket's {bucket.num_tokens} tokens")
         nd = bucket.num_decode
         if nd:
             if nd == bucket.num_rows and bucket.num_tokens != nd:
                 raise ValueError(f"a pure decode bucket needs num_tokens == num_rows, got {bucket}")
-        decode_checkpoints = sum(len(row.checkpoints) for row in rows[:nd])
+        rare = [rows[r] for r in cols.rare]
+        decode_checkpoints = sum(len(rows[r].checkpoints) for r in cols.rare if r < nd)
         if decode_checkpoints > MAX_DECODE_CHECKPOINTS:
             raise ValueError(
                 f"{decode_checkpoints} decode rows checkpoint in one step, at most "
                 f"{MAX_DECODE_CHECKPOINTS}"
             )
-        num_forks = sum(len(row.forks) for row in rows)
+        num_forks = sum(len(row.forks) for row in rare)
         if num_forks > MAX_FORKS:
             raise ValueError(f"{num_forks} forked samples in one step, at most {MAX_FORKS}")
+        if not self._rows_plainly_valid(nd, cols):
+            self._validate_rows(rows, nd)  # raises, naming the first bad row
+            raise TypeError("a row field is not a number (RowSpec holds ints and floats)")
+        pad_slot = self.spec.pad_slot
+        for r, row in zip(cols.rare, rare, strict=True):  # what only some rows have, on them
+            if row.state_slot != pad_slot:
+                if row.fork:
+                    self._validate_fork(r, row, rows)
+                self._validate_sampling(r, row)
+                self._validate_checkpoints(r, row, decode=r < nd)
+
+    def _rows_plainly_valid(self, nd: int, cols: _Columns) -> bool:
+        """The per-row checks of `_validate_rows` that every row needs (token counts and ids,
+        where the token comes from, pages), over all rows at once: True when all pass."""
+        if cols.values is None:
+            return False  # a field is not a number: the per-row checks say which
+        n, lens = len(cols.lens), cols.lens
+        checked = cols.slots != self.spec.pad_slot  # filler rows are not checked
+        decode = np.arange(n) < nd
+        need = -(-(cols.prefix + lens) // self.spec.page_size)
+        num_pages = np.fromiter(map(len, cols.pages), np.int64, n)
+        bad = (
+            (lens == 0) & ~cols.forked
+            | decode & (lens != 1)
+            | cols.values[:, _FROM_DEVICE].astype(bool) & ~decode
+            | (need > self.max_pages_per_seq)
+            | (num_pages < need)
+        )
+        if np.any(bad & checked):
+            return False
+        tokens = cols.tokens
+        in_vocab = (tokens >= 0) & (tokens < self.vocab_size)
+        return bool(np.all(in_vocab | ~np.repeat(checked, lens)))
+
+    def _validate_rows(self, rows: list[RowSpec], nd: int) -> None:
+        """Every row's checks, a row at a time: the first bad row raises."""
         page_size = self.spec.page_size
         for r, row in enumerate(rows):
             n = len(row.tokens)
