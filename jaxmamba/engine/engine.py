@@ -280,29 +280,29 @@ class LLMEngine:
         host = jax.device_get(packed)  # the one read per step
         sampled = unpack_sample_output(host)
         scored = unpack_prompt_logprobs(host, step.bucket.num_rows)  # prompt tokens, if any
+        tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
         prompt_offset = 0  # of the row's first token among the step's prefill tokens
         self.stats.device_reads += 1
         now = time.perf_counter()
         deltas: dict[str, list[CompletionOutput]] = {}
+        num_decode = step.num_decode_rows
         for i, row in enumerate(step.rows):
             req = row.request
-            for slot, length in row.output_checkpoints:
-                if req.finished:
-                    self.scheduler.drop_checkpoint(req, slot)
-                else:
-                    self.scheduler.record_checkpoint(req, length, slot)
-            if i >= step.num_decode_rows:
+            if row.checkpoints:
+                for slot, length in row.output_checkpoints:
+                    if req.finished:
+                        self.scheduler.drop_checkpoint(req, slot)
+                    else:
+                        self.scheduler.record_checkpoint(req, length, slot)
+            if i >= num_decode:
                 if row.spec.prompt_logprob_targets and scored is not None and not req.finished:
                     self._prompt_logprobs(req, row.spec.prompt_logprob_targets, scored,
                                           prompt_offset)  # fmt: skip
                 prompt_offset += len(row.spec.tokens)
-            if req.finished:
+            if req.finish_reason is not None or not row.samples:  # finished, or mid-prompt
                 continue
-            if not row.samples:
-                continue
-            i = step.output_row(i)
-            token = int(sampled.tokens[i])
-            logprob = float(sampled.logprobs[i])
+            i = i if i < num_decode else step.output_row(i)
+            token, logprob = tokens[i], logprobs[i]
             req.output_token_ids.append(token)
             req.cumulative_logprob += logprob
             if req.first_token_time is None:
@@ -315,15 +315,18 @@ class LLMEngine:
         outputs = []
         for request_id, completions in deltas.items():
             group = self._groups[request_id]
-            if group.finished:
+            finished = group.finished
+            if finished:
                 del self._groups[request_id]
+            if len(completions) > 1:
+                completions.sort(key=lambda c: c.index)
             outputs.append(
                 RequestOutput(
                     request_id=request_id,
                     prompt=group.prompt,
                     prompt_token_ids=group.prompt_token_ids,
-                    outputs=sorted(completions, key=lambda c: c.index),
-                    finished=group.finished,
+                    outputs=completions,
+                    finished=finished,
                     num_cached_tokens=group.seqs[0].num_cached_tokens,
                     metrics=group.metrics(),
                     prompt_logprobs=group.prompt_logprobs,
@@ -393,7 +396,7 @@ class LLMEngine:
                 return "stop", token
         if p.max_tokens is not None and n >= p.max_tokens:
             return "length", None
-        if len(req.all_token_ids) >= self.config.max_model_len:
+        if req.prompt_len + n >= self.config.max_model_len:  # len(req.all_token_ids)
             return "length", None
         return None, None
 
