@@ -142,15 +142,12 @@ class _Columns:
 
 
 def _fill_ragged(out: np.ndarray, lists: list) -> None:
-    """`out[r, :len(lists[r])] = lists[r]` for every r, as one fancy-indexed assignment."""
+    """`out[r, :len(lists[r])] = lists[r]` for every r, as one masked assignment."""
     lens = np.fromiter(map(len, lists), np.int64, len(lists))
     total = int(lens.sum())
-    if total == 0:
-        return
-    rows = np.repeat(np.arange(len(lists)), lens)
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    out[rows, np.arange(total) - starts] = np.fromiter(chain.from_iterable(lists), out.dtype,
-                                                        total)  # fmt: skip
+    if total:
+        mask = np.arange(out.shape[1]) < lens[:, None]  # row-major: the lists in order
+        out[: len(lists)][mask] = np.fromiter(chain.from_iterable(lists), out.dtype, total)
 
 
 @dataclass
@@ -311,8 +308,10 @@ class StepBuilder:
         if np.any(bad & checked):
             return False
         tokens = cols.tokens
+        if tokens.size == 0 or 0 <= tokens.min() and tokens.max() < self.vocab_size:
+            return True
         in_vocab = (tokens >= 0) & (tokens < self.vocab_size)
-        return bool(np.all(in_vocab | ~np.repeat(checked, lens)))
+        return bool(np.all(in_vocab | ~np.repeat(checked, lens)))  # filler rows' tokens
 
     def _validate_rows(self, rows: list[RowSpec], nd: int) -> None:
         """Every row's checks, a row at a time: the first bad row raises."""
