@@ -1,5 +1,6 @@
 """Helpers the ops share: dt processing and SiLU, matmul precision, tile arithmetic, the
-Mosaic TPU lane/sublane moves, shape checks, interpret mode.
+Mosaic TPU lane/sublane moves, shape checks, interpret mode, and `pallas_call`, which hands
+equal kernel calls one traced and lowered kernel.
 
 Plain jnp/lax, so the device-side helpers (``softplus``, ``silu``, ``process_dt``, ``dot``)
 lower through XLA, Mosaic TPU and Triton alike.
@@ -7,12 +8,41 @@ lower through XLA, Mosaic TPU and Triton alike.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import sys
+import threading
+import types
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 MIN_DOT_DIM = 16  # Triton's smallest matmul block edge
+
+
+def _name_the_triton_dialect_module() -> None:
+    """MLIR's Python bindings look for a dialect's Python module under
+    `jaxlib.mlir.dialects.<namespace>` (and two more prefixes) when they build its ops, and
+    do not remember a miss; jaxlib's Triton dialect lives at `jaxlib.triton.dialect`, so
+    every op of the Triton lowering searched the import path six times (jaxlib 0.10.2: 27,766
+    failed imports of each name lowering one 9B decode step for CUDA, ~30 % of its
+    lowering time). Naming the real module where they look ends the search; the lowered
+    modules are byte-identical."""
+    name = "jaxlib.mlir.dialects.tt"
+    if name in sys.modules:
+        return
+    try:
+        from jaxlib.triton import dialect
+    except ImportError:  # a jaxlib without the Triton dialect: nothing searches for it
+        return
+    sys.modules[name] = dialect
+
+
+_name_the_triton_dialect_module()
 
 
 def softplus(x: jax.Array) -> jax.Array:
@@ -101,3 +131,60 @@ def tpu_interpret_params(interpret):
     """``pallas_call``'s ``interpret`` for a Mosaic TPU kernel: ``True`` runs it under
     ``pltpu.InterpretParams()`` (on any backend); ``False`` or explicit params pass through."""
     return pltpu.InterpretParams() if interpret is True else interpret
+
+
+_CALLS: dict = {}  # static key of a pallas_call -> the callable pl.pallas_call made for it
+_CALLS_LOCK = threading.Lock()
+
+
+def _static_key(obj):
+    """A hashable value-key of a kernel and its pallas_call options, equal for calls that
+    trace to the same kernel: a `functools.partial` by its function and arguments, a
+    function by its code and the values it closes over (a lambda index map made afresh each
+    call is the same map; a wrapper of one by it), a dataclass (a BlockSpec, a grid spec,
+    compiler params) by its type and fields, dicts and sequences by their items; anything
+    else by its type and value (a TypeError at hashing when it is not hashable: an array, a
+    tracer)."""
+    if isinstance(obj, functools.partial):
+        return ("partial", _static_key(obj.func), _static_key(obj.args),
+                _static_key(obj.keywords))  # fmt: skip
+    if isinstance(obj, types.FunctionType):
+        cells = tuple(_static_key(c.cell_contents) for c in obj.__closure__ or ())
+        return ("function", obj.__code__, _static_key(obj.__defaults__),
+                _static_key(obj.__kwdefaults__), cells)  # fmt: skip
+    if hasattr(obj, "__wrapped__") and not isinstance(obj, type):
+        # e.g. the wrapper BlockSpec puts around its index map (functools.update_wrapper)
+        return ("wrapper", type(obj), _static_key(obj.__wrapped__))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = tuple((f.name, _static_key(getattr(obj, f.name)))
+                       for f in dataclasses.fields(obj))  # fmt: skip
+        return ("dataclass", type(obj), fields)
+    if isinstance(obj, dict):
+        return ("dict", tuple(sorted((k, _static_key(v)) for k, v in obj.items())))
+    if isinstance(obj, list | tuple):
+        return (type(obj).__name__, tuple(_static_key(v) for v in obj))
+    # With its type: 1, True and np.float32(1) are equal but trace differently (weak types);
+    # a float by its repr, which tells 0.0 from -0.0.
+    return (type(obj), repr(obj) if isinstance(obj, float) else obj)
+
+
+def pallas_call(kernel: Callable, **options) -> Callable:
+    """`pl.pallas_call(kernel, **options)`, the same callable for equal kernels and options.
+
+    Each `pl.pallas_call` is a new function whose every call traces the kernel again, and
+    each traced kernel is lowered (Triton or Mosaic) again: a model calls the same kernel in
+    every layer, so a step traced and lowered it once per layer (27 times for the 9B's
+    Mamba layers, most of a decode bucket's tracing and lowering). The callable made once for
+    a kernel and its options traces once per input shape, and JAX's lowering cache then
+    emits its lowering once per module. Kernels or options that do not hash (arrays, closures
+    over them) get a fresh `pl.pallas_call`."""
+    try:
+        key = _static_key((kernel, options))
+        hash(key)
+    except TypeError:
+        return pl.pallas_call(kernel, **options)
+    call = _CALLS.get(key)
+    if call is None:
+        with _CALLS_LOCK:
+            call = _CALLS.setdefault(key, pl.pallas_call(kernel, **options))
+    return call

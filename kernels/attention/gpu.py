@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import MIN_DOT_DIM, matmul_precision, pow2_at_least, round_up
+from ..common import MIN_DOT_DIM, matmul_precision, pallas_call, pow2_at_least, round_up
 from .blocks import QueryBlocks, build_query_blocks, check_query_blocks
 
 _F32 = jnp.float32
@@ -221,7 +221,7 @@ def paged_attention_gpu(
         page_size=page_size,
         split_len=split_len,
     )
-    out = pl.pallas_call(
+    out = pallas_call(
         kernel,
         grid=(num_blocks, num_kv_heads, splits),
         out_shape=out_shape,

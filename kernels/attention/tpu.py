@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import matmul_precision, round_up, tpu_interpret_params
+from ..common import matmul_precision, pallas_call, round_up, tpu_interpret_params
 from .blocks import QueryBlocks, build_query_blocks, check_query_blocks
 
 _F32 = jnp.float32
@@ -222,7 +222,7 @@ def paged_attention_tpu(
             pltpu.VMEM((num_kv_heads, rows, head_dim), _F32),
         ],
     )
-    o_tiles = pl.pallas_call(
+    o_tiles = pallas_call(
         functools.partial(_kernel, scale=float(scale), max_pages=max_pages),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import pow2_divisor
+from ..common import pallas_call, pow2_divisor
 from ..common import silu as exact_silu
 from .ref import (
     TokenStarts,
@@ -124,7 +124,7 @@ def causal_conv1d_update_gpu(
     k = weight.shape[0]
     bd = pow2_divisor(dim, bs.channels)
     act = _activation(activation, x.dtype, interpret)
-    y, new_state = pl.pallas_call(
+    y, new_state = pallas_call(
         functools.partial(_update_kernel, k, bd, act, bias is not None),
         grid=(rows, dim // bd),
         out_shape=[
@@ -267,7 +267,7 @@ def causal_conv1d_varlen_gpu(
     if initial_states is not None:
         terms = initial_state_terms(weight, initial_states).reshape(-1, dim)
     optional = [a for a in (bias, terms) if a is not None]
-    y = pl.pallas_call(
+    y = pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, bt * bs.tiles), dim // bd),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),

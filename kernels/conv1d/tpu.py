@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import round_up, silu, tpu_interpret_params
+from ..common import pallas_call, round_up, silu, tpu_interpret_params
 from .ref import (
     TokenStarts,
     check_token_starts,
@@ -96,7 +96,7 @@ def causal_conv1d_update_tpu(
     if bias is not None:
         args.append(bias.reshape(1, dim))
         specs.append(pl.BlockSpec((1, bd), lambda b, j, s: (0, j)))
-    y, new_state = pl.pallas_call(
+    y, new_state = pallas_call(
         functools.partial(_update_kernel, k, activation, bias is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -225,7 +225,7 @@ def causal_conv1d_varlen_tpu(
         args.append(initial_state_terms(weight, initial_states))
         specs.append(pl.BlockSpec((num_seqs, k - 1, bd), lambda i, j, *_: (0, 0, j)))
 
-    y = pl.pallas_call(
+    y = pallas_call(
         functools.partial(
             _varlen_kernel, k, bt, activation, bias is not None, initial_states is not None
         ),

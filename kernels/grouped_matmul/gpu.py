@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import MIN_DOT_DIM, matmul_precision
+from ..common import MIN_DOT_DIM, matmul_precision, pallas_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def grouped_matmul_gpu(
     kernel = functools.partial(
         _kernel, block_rows=block_rows, block_n=bs.block_n, block_k=bs.block_k
     )
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(nb, pl.cdiv(n, bs.block_n)),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype or x.dtype)),

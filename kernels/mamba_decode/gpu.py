@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import largest_divisor, pow2_divisor, process_dt
+from ..common import largest_divisor, pallas_call, pow2_divisor, process_dt
 from ..conv1d.gpu import UpdateGpuBlockSizes
 from ..conv1d.gpu import silu as conv_silu
 from ..state_update.gpu import GpuBlockSizes as StateGpuBlockSizes
@@ -211,7 +211,7 @@ def mamba2_decode_gpu(
     # The conv update kernel's SiLU: the tanh form for bf16 outputs, exact otherwise.
     approx = jnp.dtype(zxbcdt.dtype) == jnp.bfloat16
     act = functools.partial(conv_silu, approx=approx, interpret=interpret)
-    xbc, conv_state = pl.pallas_call(
+    xbc, conv_state = pallas_call(
         functools.partial(
             _conv_kernel, lay, k, bd, act, conv_bias is not None, num_tracks, pad_slot
         ),
@@ -234,7 +234,7 @@ def mamba2_decode_gpu(
     opts = _StateOptions(D is not None, dt_bias is not None, dt_softplus, tuple(dt_limit),
                          num_tracks, pad_slot)  # fmt: skip
     optional = [v for v in (D, dt_bias) if v is not None]
-    y, ssm_state = pl.pallas_call(
+    y, ssm_state = pallas_call(
         functools.partial(_state_kernel, lay, opts, bp, tiles, bn),
         # P blocks vary fastest: neighbouring programs stream one slot's contiguous state.
         grid=(lay.head_dim // (bp * tiles), lay.num_heads, rows),

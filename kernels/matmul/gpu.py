@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import MIN_DOT_DIM, matmul_precision, pow2_at_least
+from ..common import MIN_DOT_DIM, matmul_precision, pallas_call, pow2_at_least
 
 MAX_ROWS = 16  # rows of x the kernel takes (decode buckets); fewer are padded to MIN_DOT_DIM
 
@@ -164,7 +164,7 @@ def small_m_matmul_gpu(
         split_k=split_k,
         fma=fma,
     )
-    out = pl.pallas_call(
+    out = pallas_call(
         kernel,
         grid=(pl.cdiv(n, bs.block_n), split_k),
         out_shape=out_shape,

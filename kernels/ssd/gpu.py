@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import MIN_DOT_DIM, dot, pow2_at_least, process_dt, round_up, silu
+from ..common import MIN_DOT_DIM, dot, pallas_call, pow2_at_least, process_dt, round_up, silu
 from .layout import (
     ChunkLayout,
     TrackedRequests,
@@ -423,7 +423,7 @@ def ssd_varlen_gpu(
 
     # Pass 0: dt processing and its per-chunk cumsum, every (head, chunk) at once.
     per_chunk_head = jax.ShapeDtypeStruct((nc, num_heads, chunk_size), f32)
-    dt_chunks, cum_chunks, weight_chunks = pl.pallas_call(
+    dt_chunks, cum_chunks, weight_chunks = pallas_call(
         functools.partial(
             _dt_kernel,
             chunk_size=chunk_size,
@@ -465,7 +465,7 @@ def ssd_varlen_gpu(
     if initial_states is not None:
         state_operands.append(initial_states)
     state_shape = (num_heads, head_dim, state_size)
-    entering, final_states, tracked_states = pl.pallas_call(
+    entering, final_states, tracked_states = pallas_call(
         functools.partial(
             _state_kernel,
             chunk_size=chunk_size,
@@ -508,7 +508,7 @@ def ssd_varlen_gpu(
     ]
     if z is not None:
         out_operands.append(z)
-    y = pl.pallas_call(
+    y = pallas_call(
         functools.partial(
             _output_kernel,
             chunk_size=chunk_size,

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import dot, process_dt, silu, to_column, to_row, tpu_interpret_params
+from ..common import dot, pallas_call, process_dt, silu, to_column, to_row, tpu_interpret_params
 from .layout import (
     ChunkLayout,
     TrackedRequests,
@@ -247,7 +247,7 @@ def ssd_varlen_tpu(
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((head_dim, state_size), jnp.float32)],
     )
-    yt, final_states, states = pl.pallas_call(
+    yt, final_states, states = pallas_call(
         functools.partial(_kernel, has_z=z is not None),
         grid_spec=grid_spec,
         out_shape=out_shape,

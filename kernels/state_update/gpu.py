@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import largest_divisor, pow2_divisor, process_dt, silu
+from ..common import largest_divisor, pallas_call, pow2_divisor, process_dt, silu
 
 _F32 = jnp.float32
 
@@ -147,7 +147,7 @@ def selective_state_update_gpu(
     opts = _Options(D is not None, z is not None, dt_bias is not None, dt_softplus, dt_limit)
     optional = [a for a in (D, z, dt_bias) if a is not None]
     kernel = functools.partial(_kernel, opts, bp, tiles, bn, num_heads // num_groups)
-    y, new_state = pl.pallas_call(
+    y, new_state = pallas_call(
         kernel,
         # P blocks vary fastest: neighbouring programs stream one slot's contiguous state.
         grid=(head_dim // (bp * tiles), num_heads, rows),

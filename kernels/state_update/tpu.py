@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import process_dt, silu, to_column, to_row, tpu_interpret_params
+from ..common import pallas_call, process_dt, silu, to_column, to_row, tpu_interpret_params
 
 _F32 = jnp.float32
 
@@ -142,7 +142,7 @@ def selective_state_update_tpu(
         args.append(z)
         specs.append(row_spec)
 
-    y, new_state = pl.pallas_call(
+    y, new_state = pallas_call(
         functools.partial(_kernel, D is not None, z is not None, hb, r),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
