@@ -33,9 +33,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "config.json")  # fmt: skip
 
 
-def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_decode, sampler):
-    """The engine step on flat lists of leaves: what an artifact stores for one bucket (and
-    sampler program)."""
+def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_decode,
+               sampler: str = "full"):  # fmt: skip
+    """The engine step on flat lists of leaves: what an artifact stores for one bucket and
+    sampler program (`jaxmamba aot` compiles the full one)."""
     from jaxmamba.engine.runner import step_fn
 
     args = [jax.tree.unflatten(t, leaves) for t, leaves in
