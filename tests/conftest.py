@@ -5,10 +5,18 @@ import os
 import shutil
 import tempfile
 
-import jax
-import pytest
+# XLA:CPU compiles with LLVM at -O0 in tests: the suite's time is mostly XLA compiling the
+# steps of small random models (each bucket a program, seconds apiece), and the backend's
+# optimisation level changes how fast the code runs, not what it computes. It roughly halves
+# each compile. Set before jax starts its backend; subprocesses the tests start inherit it.
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
-from jaxmamba.export.compile_cache import setup_compilation_cache
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxmamba.export.compile_cache import setup_compilation_cache  # noqa: E402
 
 _CACHE_ENV = "JAXMAMBA_COMPILATION_CACHE_DIR"
 

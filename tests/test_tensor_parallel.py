@@ -46,8 +46,8 @@ MAX_TOKENS = 5
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp") / "seen.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")  # fmt: skip
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")  # keeps conftest's
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
