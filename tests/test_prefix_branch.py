@@ -36,11 +36,15 @@ def hf_model(tmp_path_factory):
 
 def make_llm(path, **kw):
     # Every engine here (caching on or off) has the same pools, so they share compiled steps;
-    # XLA:CPU compiles dominate this file's time, so the workloads reuse a few buckets.
+    # XLA:CPU compiles dominate this file's time, so the workloads reuse a few buckets: one
+    # row or all six decoding, 64 or 256 step tokens (10 programs, not the ladders' 33).
+    # Buckets only pad a step; what the scheduler admits, feeds and caches is the same.
     kw = {"max_num_seqs": 6, "max_model_len": 320, "max_num_batched_tokens": 256,
           "max_prefill_seqs": 6, "page_size": 16, "num_state_slots": 12, "num_pages": 240,
           "compilation_cache": False, **kw}  # fmt: skip
-    return LLM(path, **kw)
+    llm = LLM(path, **kw)
+    llm.engine.scheduler.use_buckets(decode=[1, 6], tokens=[64, 256])
+    return llm
 
 
 @pytest.fixture(scope="module")
