@@ -26,16 +26,21 @@ _CACHE_ENV = "JAXMAMBA_COMPILATION_CACHE_DIR"
 # neither worker is left with a long file after the other has finished.
 LONGEST_FIRST = (
     "test_engine.py",
-    "test_prefix_branch.py",
-    "test_model_hf_parity.py",
-    "test_family_nemotron_h_moe.py",
-    "test_server.py",
     "test_kernels_ssd_pallas.py",
+    "test_server.py",
+    "test_artifacts_executables.py",
+    "test_model_hf_parity.py",
     "test_stopping_hf.py",
+    "test_artifacts_compile_cache.py",
     "test_llm_api.py",
-    "test_sampling_hf.py",
-    "test_streaming.py",
     "test_artifacts.py",
+    "test_family_nemotron_h_moe.py",
+    "test_tpu_compile.py",
+    "test_sampling_hf.py",
+    "test_prefix_branch.py",
+    "test_streaming.py",
+    "test_demo_model.py",
+    "test_tensor_parallel.py",
 )
 
 
