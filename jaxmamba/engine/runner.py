@@ -99,10 +99,6 @@ def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> j
     return inputs.input_ids.at[:num_decode].set(decode_ids)
 
 
-# The StepInputs a pure decode step does not read (see `ModelRunner._decode_constants`).
-_DECODE_UNUSED = ("prompt_logprob_targets", "fork_src_slots", "fork_dst_slots",
-                  "fork_src_pages", "fork_dst_pages")  # fmt: skip
-
 # Traces (= compilations) of the jitted step per (model, cache spec) in this process.
 TRACE_COUNTS: Counter = Counter()
 
@@ -299,7 +295,6 @@ class ModelRunner:
         # The PLAIN sampler variant of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler variant
-        self._unused_on_device: dict = {}  # `_decode_constants`, per shape
 
     @property
     def num_compiles(self) -> int:
@@ -332,8 +327,6 @@ class ModelRunner:
         which lets a decode step run the PLAIN sampler."""
         sampler = self.sampler_variant(inputs, num_decode, top_logprobs)
         self.variant_steps[sampler] += 1
-        if self._put_inputs is _as_is and num_decode == np.shape(inputs.state_slots)[0]:
-            inputs = self._decode_constants(inputs)
         kwargs = {} if sampler == FULL else {"sampler": sampler}
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
             packed, self.cache, self.slot_state = self._jit_step(
@@ -341,22 +334,6 @@ class ModelRunner:
                 num_decode=num_decode, **kwargs, **self._static,
             )  # fmt: skip
         return packed
-
-    def _decode_constants(self, inputs: StepInputs) -> StepInputs:
-        """A pure decode step reads neither the prompt-logprob targets nor the fork tables
-        (`step_fn` scores and forks only in steps with prefill rows): they go to the step as
-        arrays already on the device, one per shape, made once, so the call moves nothing for
-        them. Same shapes and dtypes, uncommitted as the host arrays are: no recompile."""
-        fields = _DECODE_UNUSED
-        if any(not isinstance(getattr(inputs, f), np.ndarray) for f in fields):
-            return inputs
-        key = tuple((getattr(inputs, f).shape, getattr(inputs, f).dtype) for f in fields)
-        cached = self._unused_on_device.get(key)
-        if cached is None:
-            with jax.transfer_guard_host_to_device("allow"):
-                cached = {f: jnp.asarray(getattr(inputs, f)) for f in fields}
-            self._unused_on_device[key] = cached
-        return inputs._replace(**cached)
 
     def step_args(self, inputs: StepInputs, num_decode: int, sampler: str = FULL
                   ) -> tuple[tuple, dict]:  # fmt: skip
