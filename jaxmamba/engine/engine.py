@@ -299,7 +299,7 @@ class LLMEngine:
                     self._prompt_logprobs(req, row.spec.prompt_logprob_targets, scored,
                                           prompt_offset)  # fmt: skip
                 prompt_offset += len(row.spec.tokens)
-            if req.finish_reason is not None or not row.samples:  # finished, or mid-prompt
+            if req.finished or not row.samples:  # finished, or mid-prompt
                 continue
             i = i if i < num_decode else step.output_row(i)
             token, logprob = tokens[i], logprobs[i]
@@ -396,7 +396,7 @@ class LLMEngine:
                 return "stop", token
         if p.max_tokens is not None and n >= p.max_tokens:
             return "length", None
-        if req.prompt_len + n >= self.config.max_model_len:  # len(req.all_token_ids)
+        if req.prompt_len + n >= self.config.max_model_len:  # without building all_token_ids
             return "length", None
         return None, None
 

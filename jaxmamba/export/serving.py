@@ -50,6 +50,12 @@ def _bucket_key(entry: dict) -> tuple[int, int, int]:
     return entry["num_tokens"], entry["num_rows"], entry["num_decode"]
 
 
+def _step_key(inputs, num_decode: int) -> tuple[int, int, int]:
+    """The bucket of a step's inputs, as `_bucket_key` names it."""
+    return (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
+            int(num_decode))  # fmt: skip
+
+
 class ArtifactRunner:
     """`ModelRunner`'s interface (`cfg`, `cache_spec`, `dtype`, `step`, `programs`,
     `precompile`, `num_compiles`) on an artifact's exported steps. `params`: the flat weight
@@ -72,6 +78,12 @@ class ArtifactRunner:
         self._steps: dict[tuple, Callable] = {}  # (bucket, sampler) -> its step
         self._lock = threading.Lock()
         self.sampler_variants = variants_enabled()
+        # bucket -> the sampler programs this runner runs for it (the artifact's, or the full
+        # one alone with the variants off)
+        self._samplers = {
+            key: tuple(name for name, _ in programs(e)) if self.sampler_variants else (FULL,)
+            for key, e in self._entries.items()
+        }
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
         self.loaded_executables = 0  # steps loaded compiled (`export --executables`)
         # (bucket, sampler) -> (its compiled step, compiled here afresh, not from the cache)
@@ -153,11 +165,6 @@ class ArtifactRunner:
     def buckets(self) -> list[tuple[int, int, int]]:
         return list(self._entries)
 
-    def _programs(self, key: tuple[int, int, int]) -> dict[str, dict]:
-        """The sampler programs this runner runs for a bucket: its manifest nodes by name."""
-        held = dict(programs(self._entries[key]))
-        return held if self.sampler_variants else {FULL: held[FULL]}
-
     def _step(self, key: tuple[int, int, int], sampler: str = FULL) -> Callable:
         fn = self._steps.get((key, sampler))
         if fn is not None:
@@ -211,35 +218,31 @@ class ArtifactRunner:
         """Read, check (sha256, platform, shapes) and deserialize every program's step now,
         in `workers` threads (default: one per core, at most 8)."""
         workers = workers or max(1, min(8, os.cpu_count() or 1))
-        jobs = [(key, sampler) for key in self._entries for sampler in self._programs(key)]
+        jobs = [(key, sampler) for key, samplers in self._samplers.items() for sampler in samplers]
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda job: self._step(*job), jobs))
 
     def programs(self, buckets) -> list[tuple]:
         """`(bucket, sampler)` of every program `step` can run for these buckets."""
-        keys = [(b, (b.num_tokens, b.num_rows, b.num_decode)) for b in buckets]
-        return [(b, sampler) for b, key in keys for sampler in self._programs(key)]
+        return [(b, sampler) for b in buckets
+                for sampler in self._samplers[b.num_tokens, b.num_rows, b.num_decode]]  # fmt: skip
 
     def sampler_variant(self, inputs, num_decode: int, top_logprobs: bool) -> str:
         """The sampler program `step` runs for these inputs: `ModelRunner`'s choice
         (`choose_sampler`) where the artifact holds that program, else the full one."""
-        key = (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
-               int(num_decode))  # fmt: skip
-        if key not in self._entries:
-            return FULL  # `_step` names the missing bucket
+        held = self._samplers.get(_step_key(inputs, num_decode), ())  # none: `_step` says so
         sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size)
-        return sampler if sampler in self._programs(key) else FULL
+        return sampler if sampler in held else FULL
 
     def step(self, inputs, num_decode: int, *, top_logprobs: bool = True) -> jax.Array:
         """Dispatch one step; returns the packed device output without waiting for it.
         `top_logprobs=False`: no row reads the top logprobs, as in `ModelRunner.step`."""
-        key = (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
-               int(num_decode))  # fmt: skip
         sampler = self.sampler_variant(inputs, num_decode, top_logprobs)
-        fn = self._step(key, sampler)
+        fn = self._step(_step_key(inputs, num_decode), sampler)
         self.variant_steps[sampler] += 1
-        # The host arrays go in as they are: the executable's C++ dispatch moves them, ~1 ms
-        # a step against 3-8 ms for a Python `device_put` of the 29 (CPU, 32 decode rows).
+        # The host arrays go in as they are: the executable's C++ dispatch moves them
+        # (0.35-1.0 ms a 32-row decode call on CPU against 2.6-8.0 ms for a Python
+        # `device_put` of the 29 first, docs/benchmarks.md).
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
             packed, self.cache, self.slot_state = fn(
                 self.params, self.cache, self.slot_state, jax.tree.leaves(inputs)
