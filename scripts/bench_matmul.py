@@ -37,8 +37,8 @@ PROJECTIONS = {  # name: (K, N)
     "mlp down": (15680, 4480),
 }
 LM_HEAD = ("lm_head", 4480, 131072)
-# Sweep: changes to the default ``GpuBlockSizes``; ``single_row_fma`` ones at M = 1 only
-# (with more rows the kernel takes the dot path again).
+# Sweep: changes to the plain ``GpuBlockSizes()`` (not the tuned ones); ``single_row_fma``
+# ones at M = 1 only (with more rows the kernel takes the dot path again).
 SWEEP = [
     dict(block_n=64),
     dict(block_n=256, num_warps=8),
@@ -55,6 +55,12 @@ SWEEP = [
     dict(single_row_fma=True),
     dict(single_row_fma=True, block_k=32, num_stages=3),
     dict(single_row_fma=True, block_n=256, block_k=32, num_warps=8),
+    dict(block_n=32),
+    dict(block_n=64, num_stages=3),
+    dict(block_n=64, num_stages=6),
+    dict(block_n=64, block_k=128),
+    dict(block_n=64, split_k=1),
+    dict(split_k=1, num_stages=3),
 ]
 
 
@@ -97,7 +103,8 @@ def bench_case(name: str, k: int, n: int, m: int, args, table: bc.Table, rng) ->
     def kernel(sizes):
         return functools.partial(small_m_matmul_gpu, interpret=args.smoke, block_sizes=sizes)
 
-    default = GpuBlockSizes()
+    default = GpuBlockSizes.for_shape(k, n, m)  # the kernel's own choice for this shape
+    plain = GpuBlockSizes()  # the sweep's variants change these
     row = bc.Row(
         label,
         ours=measure("ours", kernel(default)),
@@ -107,7 +114,7 @@ def bench_case(name: str, k: int, n: int, m: int, args, table: bc.Table, rng) ->
     variants = [v for v in SWEEP if m == 1 or not v.get("single_row_fma")] if args.sweep else []
     names = [",".join(f"{f}={v}" for f, v in changes.items()) for changes in variants]
     measures = {
-        what: functools.partial(measure, what, kernel(dataclasses.replace(default, **changes)))
+        what: functools.partial(measure, what, kernel(dataclasses.replace(plain, **changes)))
         for what, changes in zip(names, variants, strict=True)
     }
     bc.time_variants(row, measures)

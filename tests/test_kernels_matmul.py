@@ -77,6 +77,23 @@ def test_split_count_fills_the_machine_but_keeps_steps():
     assert GpuBlockSizes(split_k=3).splits(10240, 4480) == 3
 
 
+def test_kernel_takes_the_tuned_sizes_of_its_shape(monkeypatch):
+    """Without explicit block sizes the kernel uses `TUNED`'s entry for (K, N, M == 1): a
+    toy entry changes the launch (an invalid one is refused), others keep the defaults."""
+    from jaxmamba.kernels.matmul import gpu
+
+    assert GpuBlockSizes.for_shape(4480, 22656, 1) == GpuBlockSizes(block_n=64)
+    assert GpuBlockSizes.for_shape(4480, 22656, 4) == GpuBlockSizes()
+    assert GpuBlockSizes.for_shape(200, 333, 1) == GpuBlockSizes()
+    x, w = _inputs(1, 200, 333, jnp.bfloat16, seed=3)
+    monkeypatch.setitem(gpu.TUNED, (200, 333, True), dict(block_n=24))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        small_m_matmul_gpu(x, w, interpret=True)
+    monkeypatch.setitem(gpu.TUNED, (200, 333, True), dict(block_n=32, block_k=16, split_k=2))
+    got = small_m_matmul_gpu(x, w, interpret=True)
+    _assert_close(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64), jnp.bfloat16)
+
+
 def test_dispatch_out_dtype_and_errors():
     x, w = _inputs(2, 96, 80, jnp.bfloat16)
     got = small_m_matmul(x, w, out_dtype=jnp.float32, impl="interpret")

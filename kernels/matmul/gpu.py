@@ -61,6 +61,12 @@ class GpuBlockSizes:
     def get_default(cls) -> GpuBlockSizes:
         return cls()
 
+    @classmethod
+    def for_shape(cls, k: int, n: int, rows: int) -> GpuBlockSizes:
+        """The sizes measured best on the H200 for this projection shape (``TUNED``), else
+        the defaults."""
+        return cls(**TUNED.get((k, n, rows == 1), {}))
+
     def splits(self, k: int, n: int) -> int:
         if self.split_k is not None:
             return self.split_k
@@ -70,6 +76,17 @@ class GpuBlockSizes:
         while column_blocks * split < self.min_programs and split * 2 <= max_splits:
             split *= 2
         return split
+
+
+# (K, N, M == 1): changes to the defaults that ran fastest for that shape on the H200
+# (``scripts/bench_matmul.py --sweep``; docs/benchmarks.md, "Small-M matmul"). The keys are
+# Nemotron-Nano-9B-v2's decode projections: in_proj, out_proj, MLP up and down.
+TUNED: dict[tuple[int, int, bool], dict] = {
+    (4480, 22656, True): dict(block_n=64),
+    (10240, 4480, True): dict(num_stages=3),
+    (4480, 15680, True): dict(split_k=1),
+    (15680, 4480, True): dict(block_n=64),
+}
 
 
 def _kernel(
@@ -137,9 +154,9 @@ def small_m_matmul_gpu(
     interpret: bool = False,
     block_sizes: GpuBlockSizes | None = None,
 ) -> jax.Array:
-    bs = block_sizes or GpuBlockSizes.get_default()
     rows, k = x.shape
     n = w.shape[1]
+    bs = block_sizes or GpuBlockSizes.for_shape(k, n, rows)
     if rows > MAX_ROWS:
         raise ValueError(f"small_m_matmul_gpu takes at most {MAX_ROWS} rows, got x {x.shape}")
     for name in ("block_n", "block_k"):
