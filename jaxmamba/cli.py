@@ -180,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--impl", default="auto", choices=["auto", "ref", "pallas"])
     bench.add_argument(
         "--small-m-impl",
-        choices=["auto", "ref", "pallas"],
-        help="run the projections of decode-sized steps (<= 16 tokens) through small_m_matmul "
-        "with this impl (default: XLA's dot)",
+        choices=["auto", "ref", "pallas", "xla"],
+        help="the projections of decode-sized steps (<= 16 tokens): small_m_matmul with this "
+        "impl, or XLA's dot ('xla'); default: the Pallas kernel where --impl runs the GPU "
+        "kernels, else XLA's dot",
     )
     bench.set_defaults(func=cmd_bench)
     from jaxmamba.serve.cli import add_parser as add_serve_parser

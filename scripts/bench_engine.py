@@ -120,8 +120,9 @@ def main() -> None:
     p.add_argument(
         "--small-m-impls",
         nargs="+",
-        default=["none"],
-        help="run every case once per value: 'none' (XLA's dot) or the impl of small_m_matmul "
+        default=["default"],
+        help="run every case once per value: 'default' (the model's choice for --impl), 'xla' "
+        "(XLA's dot) or the impl of small_m_matmul "
         "for the projections of decode-sized steps (e.g. 'auto')",
     )
     p.add_argument(
@@ -207,7 +208,7 @@ def main() -> None:
                 runner_module.jitted_step = command_buffer_jit(command_buffer)
             res = bench_one_batch(cfg, params, batch=batch, input_len=length,
                                   output_len=args.output_len, dtype=dtype, impl=args.impl,
-                                  small_m_impl=None if small_m == "none" else small_m,
+                                  small_m_impl=None if small_m == "default" else small_m,
                                   repeats=3, phases=(phase,), trace_dir=trace_dir,
                                   fill_cache=not args.no_fill_cache,
                                   log=lambda m: print(m, flush=True),

@@ -157,21 +157,33 @@ def test_small_m_matmul_kernel_exports_for_cuda():
     assert module.count(MARKERS["cuda"]) == 1 and "small_m_matmul" in module
 
 
-def test_decode_step_exports_for_cuda_with_small_m_matmul(tiny):
-    """The opt-in switch: every projection Linear of a decode step becomes the GEMV kernel."""
+@pytest.mark.parametrize(
+    "impl, small_m_impl, kernels",
+    [("auto_gpu", None, True), ("auto_gpu", "auto_gpu", True), ("auto_gpu", "xla", False),
+     ("auto_tpu", None, False)],
+)  # fmt: skip
+def test_decode_step_exports_with_small_m_matmul_by_default_for_cuda(
+    tiny, impl, small_m_impl, kernels
+):
+    """By default a CUDA decode step runs every projection Linear on the GEMV kernel; "xla"
+    keeps XLA's dot, and a TPU step has no such kernel."""
     cfg, params = tiny
     spec = CacheSpec(num_slots=4, num_pages=4 * MAX_PAGES, page_size=PAGE_SIZE)
     runner = ModelRunner(
-        cfg, params, spec, dtype=jnp.bfloat16, impl="auto_gpu", small_m_impl="auto_gpu"
+        cfg, params, spec, dtype=jnp.bfloat16, impl=impl, small_m_impl=small_m_impl
     )
     rng = np.random.default_rng(0)
     rows = [row([int(rng.integers(0, 256))], 9, slot=i) for i in range(2)]
     inputs = builder(runner).build(rows, Bucket(4, 4, 4))
     args, kwargs = runner.step_args(inputs, 4)
-    module = _export(jitted_step, "cuda", *args, **kwargs).mlir_module()
+    platform = "cuda" if impl.endswith("gpu") else "tpu"
+    module = _export(jitted_step, platform, *args, **kwargs).mlir_module()
     linears = 2 * cfg.num_mamba_layers + 4 * cfg.num_attention_layers
     linears += 2 * cfg.layer_types.count("mlp")
-    assert module.count("small_m_matmul") >= linears
+    if kernels:
+        assert module.count("small_m_matmul") >= linears
+    else:
+        assert "small_m_matmul" not in module
 
 
 def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
+from jaxmamba.kernels.matmul import model_small_m_impl
 from jaxmamba.model.attention import Attention
 from jaxmamba.model.cache import StateCache
 from jaxmamba.model.layers import MLP, Dtype, RMSNorm, matmul_precision
@@ -111,12 +112,11 @@ class LMHead(nn.Module):
 
 
 class Mamba2HybridLM(nn.Module):
-    """`small_m_impl` (opt-in; None, the default, keeps XLA's dot everywhere) is the impl of
-    `small_m_matmul` for every projection Linear of a step of at most `kernels.matmul.MAX_ROWS`
-    tokens (the decode buckets), e.g. "auto" for the Pallas GPU kernel on CUDA. Longer steps
-    and the lm_head keep XLA's dot. Opt-in because on the 9B decode step its gain is within
-    the run-to-run spread (`scripts/bench_engine.py --small-m-impls none auto`,
-    docs/benchmarks.md).
+    """`small_m_impl` is the impl of `small_m_matmul` for every projection Linear of a step
+    of at most `kernels.matmul.MAX_ROWS` tokens (the decode buckets): None (the default)
+    follows `impl`, the Pallas GPU kernel where `impl` runs the GPU kernels and XLA's dot
+    elsewhere; "xla" keeps XLA's dot (`kernels.matmul.model_small_m_impl`). Longer steps and
+    the lm_head keep XLA's dot.
 
     `tp` (tensor parallelism, `jaxmamba.parallel`): this module is one shard's model, run
     inside `shard_map` — `cfg` holds the shard's sizes, the vocabulary is split into
@@ -130,6 +130,7 @@ class Mamba2HybridLM(nn.Module):
 
     def setup(self):
         cfg, tp = self.cfg, self.tp
+        small_m = model_small_m_impl(self.impl, self.small_m_impl)
         vocab_rows = cfg.vocab_size if tp is None else tp.vocab_rows
         self.embed = nn.Embed(
             vocab_rows,
@@ -141,7 +142,7 @@ class Mamba2HybridLM(nn.Module):
             ),
         )
         self.layers = [
-            Block(cfg, layer_type, self.dtype, self.impl, self.small_m_impl, tp)
+            Block(cfg, layer_type, self.dtype, self.impl, small_m, tp)
             for layer_type in cfg.layer_types
         ]
         self.norm_f = RMSNorm(cfg.norm_eps, self.dtype)

@@ -8,13 +8,43 @@ kernel: ``impl="auto"`` runs the reference there.
 
 from __future__ import annotations
 
+import os
+
 import jax
 
-from ..dispatch import select_impl
+from ..dispatch import current_platform, select_impl
 from .gpu import MAX_ROWS, small_m_matmul_gpu
 from .ref import small_m_matmul_ref
 
-__all__ = ["MAX_ROWS", "small_m_matmul", "small_m_matmul_ref"]
+__all__ = ["MAX_ROWS", "SMALL_M_ENV", "model_small_m_impl", "small_m_matmul", "small_m_matmul_ref"]
+
+# "0" keeps XLA's dot for the decode projections of GPU models (for A/B runs). Read when a
+# model resolves its impls (`model_small_m_impl`), so set it before building the runner.
+SMALL_M_ENV = "JAXMAMBA_SMALL_M_MATMUL"
+# The impls of a model's ops that can run the GPU kernels; the decode projections take the same.
+_GPU_IMPLS = ("auto", "pallas", "auto_gpu", "pallas_gpu")
+
+
+def model_small_m_impl(impl: str, small_m_impl: str | None = None) -> str | None:
+    """The impl of ``small_m_matmul`` for the decode projections of a model whose other ops
+    run with ``impl``; None means XLA's dot.
+
+    ``small_m_impl`` None (the default) follows ``impl``: the Pallas GPU kernel where ``impl``
+    runs the GPU kernels (``auto``/``pallas`` on CUDA, ``auto_gpu``, ``pallas_gpu``), XLA's
+    dot elsewhere (TPU has no kernel; ``ref`` and ``interpret`` runs keep the plain dot). On
+    the H200 the kernel at its tuned block sizes takes the 9B decode step at batch 1 from
+    6.20 to 4.88 ms (docs/benchmarks.md, issue 17). ``"xla"`` asks for XLA's dot; any other
+    value is ``small_m_matmul``'s impl, used as given.
+    """
+    if small_m_impl == "xla":
+        return None
+    if small_m_impl is not None:
+        return small_m_impl
+    if os.environ.get(SMALL_M_ENV, "1") == "0":
+        return None
+    if impl not in _GPU_IMPLS or (impl in ("auto", "pallas") and current_platform() != "gpu"):
+        return None
+    return impl
 
 
 def small_m_matmul(
