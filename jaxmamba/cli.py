@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--small-m-impl",
         choices=["auto", "ref", "pallas", "xla"],
-        help="the projections of decode-sized steps (<= 16 tokens): small_m_matmul with this "
+        help="the projections of decode-sized steps (<= 32 tokens): small_m_matmul with this "
         "impl, or XLA's dot ('xla'); default: the Pallas kernel where --impl runs the GPU "
         "kernels, else XLA's dot",
     )

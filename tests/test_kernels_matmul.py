@@ -47,6 +47,8 @@ def _assert_close(got, want, dtype):
         (1, GpuBlockSizes(block_n=64, block_k=32, single_row_fma=True)),
         (3, GpuBlockSizes(block_n=64, block_k=32, split_k=3)),  # 3 * 3 * 32 > 200: an empty tail
         (16, GpuBlockSizes(block_n=128, block_k=64, split_k=1)),  # direct store, no partials
+        (20, SMALL),  # 17..32 rows: a 32-row dot
+        (32, GpuBlockSizes(block_n=64, block_k=32, split_k=1)),
     ],
 )
 def test_kernel_matches_reference_and_float64(m, block_sizes, dtype):
@@ -78,18 +80,20 @@ def test_split_count_fills_the_machine_but_keeps_steps():
 
 
 def test_kernel_takes_the_tuned_sizes_of_its_shape(monkeypatch):
-    """Without explicit block sizes the kernel uses `TUNED`'s entry for (K, N, M == 1): a
+    """Without explicit block sizes the kernel uses `TUNED`'s entry for (K, N, row class): a
     toy entry changes the launch (an invalid one is refused), others keep the defaults."""
     from jaxmamba.kernels.matmul import gpu
 
+    assert [gpu.row_class(m) for m in (1, 2, 16, 17, 32)] == [1, 16, 16, 32, 32]
     assert GpuBlockSizes.for_shape(4480, 22656, 1) == GpuBlockSizes(block_n=64)
+    assert GpuBlockSizes.for_shape(4480, 15680, 24) == GpuBlockSizes(block_n=64, split_k=1)
     assert GpuBlockSizes.for_shape(4480, 22656, 4) == GpuBlockSizes()
     assert GpuBlockSizes.for_shape(200, 333, 1) == GpuBlockSizes()
     x, w = _inputs(1, 200, 333, jnp.bfloat16, seed=3)
-    monkeypatch.setitem(gpu.TUNED, (200, 333, True), dict(block_n=24))
+    monkeypatch.setitem(gpu.TUNED, (200, 333, 1), dict(block_n=24))
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         small_m_matmul_gpu(x, w, interpret=True)
-    monkeypatch.setitem(gpu.TUNED, (200, 333, True), dict(block_n=32, block_k=16, split_k=2))
+    monkeypatch.setitem(gpu.TUNED, (200, 333, 1), dict(block_n=32, block_k=16, split_k=2))
     got = small_m_matmul_gpu(x, w, interpret=True)
     _assert_close(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64), jnp.bfloat16)
 

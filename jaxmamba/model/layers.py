@@ -48,18 +48,23 @@ class Linear(nn.Module):
         )
         x = x.astype(self.dtype)
         rows = x.size // x.shape[-1]
+        # Accumulated in float32 either way; the product is rounded to the model dtype by the
+        # matmul itself unless a bias or an all-reduce follows. A float32 product converted
+        # afterwards costs a write and a read of it: ~5 ms of the 9B prefill of 2048 tokens
+        # on the H200 (docs/benchmarks.md, issue 17).
+        out_dtype = jnp.float32 if self.use_bias or self.reduce_axis else self.dtype
         if self.small_m_impl is not None and 0 < rows <= MAX_ROWS:
             # Loaded params already have the model dtype (the cast is a no-op); params kept in
             # another dtype (float32 test params in a bf16 model) are rounded to it here.
             y = small_m_matmul(
                 x.reshape(rows, x.shape[-1]),
                 kernel.astype(self.dtype),
-                out_dtype=jnp.float32 if self.use_bias or self.reduce_axis else self.dtype,
+                out_dtype=out_dtype,
                 impl=self.small_m_impl,
             ).reshape(*x.shape[:-1], self.features)
         else:
             precision = matmul_precision(self.dtype)
-            y = jnp.dot(x, kernel, preferred_element_type=jnp.float32, precision=precision)
+            y = jnp.dot(x, kernel, preferred_element_type=out_dtype, precision=precision)
         if self.reduce_axis is not None:
             y = lax.psum(y.astype(jnp.float32), self.reduce_axis)
         if self.use_bias:

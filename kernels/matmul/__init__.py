@@ -1,4 +1,4 @@
-"""Small-M matmul ``y[M, N] = x[M, K] @ W[K, N]`` for decode (M <= 16 rows), and its reference.
+"""Small-M matmul ``y[M, N] = x[M, K] @ W[K, N]`` for decode (M <= 32 rows), and its reference.
 
 At decode the dense projections are weight-streaming GEMVs: the time is reading W once from
 HBM, the FLOPs are negligible. The Pallas GPU kernel (``gpu.py``) is built to stream W at HBM
@@ -33,8 +33,8 @@ def model_small_m_impl(impl: str, small_m_impl: str | None = None) -> str | None
     runs the GPU kernels (``auto``/``pallas`` on CUDA, ``auto_gpu``, ``pallas_gpu``), XLA's
     dot elsewhere (TPU has no kernel; ``ref`` and ``interpret`` runs keep the plain dot). On
     the H200 the kernel at its tuned block sizes takes the 9B decode step at batch 1 from
-    6.20 to 4.88 ms (docs/benchmarks.md, issue 17). ``"xla"`` asks for XLA's dot; any other
-    value is ``small_m_matmul``'s impl, used as given.
+    6.20 to 4.88 ms and at batch 32 from 8.15 to 7.96 ms (docs/benchmarks.md, issue 17).
+    ``"xla"`` asks for XLA's dot; any other value is ``small_m_matmul``'s impl, used as given.
     """
     if small_m_impl == "xla":
         return None

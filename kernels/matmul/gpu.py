@@ -1,4 +1,4 @@
-"""Pallas GPU kernel (Triton lowering) for the small-M matmul ``x[M, K] @ W[K, N]``, M <= 16.
+"""Pallas GPU kernel (Triton lowering) for the small-M matmul ``x[M, K] @ W[K, N]``, M <= 32.
 
 The kernel is bound by reading W once, so everything serves a steady stream of W tiles:
 
@@ -7,8 +7,8 @@ The kernel is bound by reading W once, so everything serves a steady stream of W
   W is ``[K, N]`` row-major (the model's ``Linear`` stores ``kernel [in, out]``), so a tile
   is ``block_k`` contiguous runs of ``block_n`` elements: wide vector loads along N.
   Column blocks vary fastest, so neighbouring programs read neighbouring runs of a row.
-* Each step is a tensor-core ``dot`` of x's ``[16, block_k]`` slice (rows past M masked to
-  zero: Triton's smallest dot edge is 16) with the W tile, accumulated in float32. A dot
+* Each step is a tensor-core ``dot`` of x's ``[16 or 32, block_k]`` slice (rows past M
+  masked to zero: Triton's smallest dot edge is 16) with the W tile, accumulated in float32. A dot
   operand in a loop is what Triton's software pipeliner prefetches: ``num_stages`` W tiles
   are in flight (async copies into shared memory) while the current one is multiplied.
   x is re-read every step, but it is a few KB that stays in L1/L2.
@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ..common import MIN_DOT_DIM, matmul_precision, pallas_call, pow2_at_least
 
-MAX_ROWS = 16  # rows of x the kernel takes (decode buckets); fewer are padded to MIN_DOT_DIM
+MAX_ROWS = 32  # rows of x the kernel takes (decode buckets); padded to 16 or 32 rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +63,9 @@ class GpuBlockSizes:
 
     @classmethod
     def for_shape(cls, k: int, n: int, rows: int) -> GpuBlockSizes:
-        """The sizes measured best on the H200 for this projection shape (``TUNED``), else
-        the defaults."""
-        return cls(**TUNED.get((k, n, rows == 1), {}))
+        """The sizes measured best on the H200 for this projection shape and row class
+        (``TUNED``), else the defaults."""
+        return cls(**TUNED.get((k, n, row_class(rows)), {}))
 
     def splits(self, k: int, n: int) -> int:
         if self.split_k is not None:
@@ -78,14 +78,24 @@ class GpuBlockSizes:
         return split
 
 
-# (K, N, M == 1): changes to the defaults that ran fastest for that shape on the H200
-# (``scripts/bench_matmul.py --sweep``; docs/benchmarks.md, "Small-M matmul"). The keys are
-# Nemotron-Nano-9B-v2's decode projections: in_proj, out_proj, MLP up and down.
-TUNED: dict[tuple[int, int, bool], dict] = {
-    (4480, 22656, True): dict(block_n=64),
-    (10240, 4480, True): dict(num_stages=3),
-    (4480, 15680, True): dict(split_k=1),
-    (15680, 4480, True): dict(block_n=64),
+def row_class(rows: int) -> int:
+    """The rows a launch is tuned for: 1 (a single-row GEMV), 16 (2..16) or 32 (17..32)."""
+    return 1 if rows == 1 else 16 if rows <= 16 else 32
+
+
+# (K, N, row class): changes to the defaults that ran fastest for that shape on the H200
+# (``scripts/bench_matmul.py --sweep`` at M = 1 and 32; docs/benchmarks.md, issue 17), for
+# Nemotron-Nano-9B-v2's decode projections: in_proj, out_proj, MLP up and down. The class
+# 2..16 has no entry: at batch 16 the defaults and XLA's dot take the same step time.
+TUNED: dict[tuple[int, int, int], dict] = {
+    (4480, 22656, 1): dict(block_n=64),
+    (10240, 4480, 1): dict(num_stages=3),
+    (4480, 15680, 1): dict(split_k=1),
+    (15680, 4480, 1): dict(block_n=64),
+    (4480, 22656, 32): dict(block_n=64),
+    (10240, 4480, 32): dict(block_n=64),
+    (4480, 15680, 32): dict(block_n=64, split_k=1),
+    (15680, 4480, 32): dict(block_n=64),
 }
 
 
