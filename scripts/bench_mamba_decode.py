@@ -10,6 +10,7 @@ timed; each case prints as it finishes. Roofline: both states read and written o
 in_proj columns read and y written.
 
     python scripts/bench_mamba_decode.py [--rows 1,32,128,256] [--json out.json]
+        [--sweep]     # the fused kernel again with each of STATE_SWEEP's state tiles
     python scripts/bench_mamba_decode.py --smoke      # CPU: interpret mode, toy shapes
 
 Setup and the timing method: see ``bench_common.py`` (``busy_program``, ``busy_time``).
@@ -18,6 +19,7 @@ Setup and the timing method: see ``bench_common.py`` (``busy_program``, ``busy_t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 
@@ -28,11 +30,24 @@ import numpy as np
 
 from jaxmamba.kernels.conv1d.gpu import causal_conv1d_update_gpu
 from jaxmamba.kernels.mamba_decode import DecodeLayout, decode_chain
-from jaxmamba.kernels.mamba_decode.gpu import mamba2_decode_gpu
+from jaxmamba.kernels.mamba_decode.gpu import GpuBlockSizes, mamba2_decode_gpu
+from jaxmamba.kernels.state_update.gpu import GpuBlockSizes as StateGpuBlockSizes
 from jaxmamba.kernels.state_update.gpu import selective_state_update_gpu
 
 STEPS = {1: 64, 8: 16, 32: 8, 128: 4, 256: 4}  # steps a program: 0.3-5 ms of state traffic
 MAX_CHECKPOINTS = 8  # jaxmamba.model.metadata.MAX_DECODE_CHECKPOINTS
+# --sweep: the fused kernel's state tiles (`state_update.gpu.GpuBlockSizes` fields), each
+# in place of the batch's default; the conv tiles keep theirs.
+STATE_SWEEP = [
+    dict(tiles=1, num_warps=4),
+    dict(tiles=5, num_warps=8),
+    dict(tiles=1, num_warps=2),
+    dict(tiles=1, num_warps=8),
+    dict(tiles=1, state=64, num_warps=2),
+    dict(tiles=1, state=64, num_warps=4),
+    dict(tiles=5, num_warps=4),
+    dict(tiles=1, num_warps=4, num_stages=2),
+]
 
 
 class _Pools:
@@ -45,14 +60,15 @@ class _Pools:
         return jnp.asarray(self.conv, bc.ACT), jnp.asarray(self.ssm, jnp.float32)
 
 
-def _op(fused: bool, interpret: bool):
+def _op(fused: bool, interpret: bool, block_sizes: GpuBlockSizes | None = None):
     """One step ``op((conv, ssm), *inputs, slots) -> (y, (conv, ssm))``."""
     chain = functools.partial(
         decode_chain,
         functools.partial(causal_conv1d_update_gpu, interpret=interpret),
         functools.partial(selective_state_update_gpu, interpret=interpret),
     )
-    fn = functools.partial(mamba2_decode_gpu, interpret=interpret) if fused else chain
+    fused_fn = functools.partial(mamba2_decode_gpu, interpret=interpret, block_sizes=block_sizes)
+    fn = fused_fn if fused else chain
 
     def op(pools, zx, w, b, a, d, dt_bias, src, dst, slots):
         y, conv, ssm = fn(*pools, zx, w, b, a, slots, D=d, dt_bias=dt_bias,
@@ -89,6 +105,12 @@ def bench_batch(rows: int, args, rng, out: list) -> None:
     ]
     pools = _Pools(conv, ssm)
     ops = {"fused": _op(True, args.smoke), "chain": _op(False, args.smoke)}
+    default = GpuBlockSizes.get_default(rows)
+    variants = {
+        ",".join(f"{k}={v}" for k, v in changes.items()): _op(True, args.smoke, dataclasses.replace(
+            default, state=dataclasses.replace(StateGpuBlockSizes(), **changes)))
+        for changes in (STATE_SWEEP if args.sweep else [])
+    }  # fmt: skip
 
     # Check: one step of each from the same pools.
     (y_f, (c_f, s_f)), (y_c, (c_c, s_c)) = (
@@ -99,6 +121,15 @@ def bench_batch(rows: int, args, rng, out: list) -> None:
     bc.check(f"b{rows} conv state", np.asarray(c_f[used], np.float32),
              np.asarray(c_c[used], np.float32), 1e-6)  # fmt: skip
     bc.check(f"b{rows} ssm state", s_f[used], s_c[used], 1e-6)
+    for name, op in list(variants.items()):  # each variant checked before it is timed
+        try:
+            y_v, (_, s_v) = jax.jit(op)(pools.fresh(), *inputs[0])
+            bc.check(f"b{rows} {name} y", y_v, y_c, 1e-3)
+            bc.check(f"b{rows} {name} ssm state", s_v[used], s_c[used], 1e-6)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"  b{rows} variant {name}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            del variants[name]
+    ops.update({f"fused {name}": op for name, op in variants.items()})
 
     nbytes = rows * (2 * (h * p * n * 4 + (k - 1) * lay.conv_dim * 2) + (lay.conv_dim + h) * 2
                      + h * p * 2)  # fmt: skip
@@ -112,7 +143,7 @@ def bench_batch(rows: int, args, rng, out: list) -> None:
         span, busy, kernels = bc.busy_time(op, pools, inputs, steps)
         result[name] = {"span_us": span * 1e6, "kernel_us": busy * 1e6, "kernels": kernels}
         print(
-            f"  b{rows:<4d} {name:6s}: span {span * 1e6:8.1f} us a step, kernels "
+            f"  b{rows:<4d} {name}: span {span * 1e6:8.1f} us a step, kernels "
             f"{busy * 1e6:8.1f} us ({kernels:.2f} a step), {roof / span:6.1%} of roofline "
             f"({roof * 1e6:.1f} us)",
             flush=True,
