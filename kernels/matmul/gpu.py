@@ -8,13 +8,14 @@ The kernel is bound by reading W once, so everything serves a steady stream of W
   is ``block_k`` contiguous runs of ``block_n`` elements: wide vector loads along N.
   Column blocks vary fastest, so neighbouring programs read neighbouring runs of a row.
 * Each step is a tensor-core ``dot`` of x's ``[16 or 32, block_k]`` slice (rows past M
-  masked to zero: Triton's smallest dot edge is 16) with the W tile, accumulated in float32. A dot
-  operand in a loop is what Triton's software pipeliner prefetches: ``num_stages`` W tiles
+  masked to zero: Triton's smallest dot edge is 16) with the W tile, accumulated in float32.
+  A dot operand in a loop is what Triton's software pipeliner prefetches: ``num_stages`` W tiles
   are in flight (async copies into shared memory) while the current one is multiplied.
   x is re-read every step, but it is a few KB that stays in L1/L2.
-  For M = 1, ``single_row_fma`` (opt-in, timed by ``scripts/bench_matmul.py --sweep``)
-  instead multiply-adds each tile into a float32 ``[block_k, block_n]`` accumulator (no
-  shared-memory staging, one reduction over K at the end).
+  For M = 1, ``single_row_fma`` (opt-in; slower than the dot at every 9B shape in the H200
+  sweep, ``scripts/bench_matmul.py --sweep``) instead multiply-adds each tile into a float32
+  ``[block_k, block_n]`` accumulator (no shared-memory staging, one reduction over K at the
+  end).
 * The decode projections have few column blocks (N = 4480 is 35 blocks of 128) against
   132 SMs, so K is split until there are at least ``min_programs`` programs; each split
   writes float32 partials ``[split_k, M, N]`` that XLA sums and casts (a tiny extra pass).
@@ -56,10 +57,6 @@ class GpuBlockSizes:
     # M = 1 only: multiply-add W tiles into a float32 [block_k, block_n] accumulator and
     # reduce over K once at the end, instead of the 16-row (15 of them zero) tensor-core dot.
     single_row_fma: bool = False
-
-    @classmethod
-    def get_default(cls) -> GpuBlockSizes:
-        return cls()
 
     @classmethod
     def for_shape(cls, k: int, n: int, rows: int) -> GpuBlockSizes:
