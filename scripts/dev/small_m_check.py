@@ -3,10 +3,11 @@ XLA's dot — logits, arg-max and SSM states of every row, over several greedy s
 same random cache. Random bf16 weights (`bench_cold_start.random_params`).
 
     python scripts/dev/small_m_check.py --model nemotron-nano-9b-v2 --batch 1 16 [--steps 4]
-        [--max-rows 32]   # route steps of up to 32 rows through the kernel (a probe)
+        [--max-rows 64]   # route steps of up to 64 rows through the kernel (a probe)
 
 `--max-rows` patches the kernel's and the model's row limit for this process, to try the
-kernel on buckets above `MAX_ROWS` (batch 32) before changing the limit.
+kernel on buckets above `MAX_ROWS` before changing the limit (how the limit went from 16 to
+32 rows).
 """
 
 from __future__ import annotations
