@@ -142,6 +142,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--out", default="bench.json")
     p.add_argument("--profile-cases", nargs="*", default=[], help="cases to profile too")
+    p.add_argument("--profile-top", type=int, default=15,
+                   help="kernels listed per profile (every one goes to --out)")  # fmt: skip
     p.add_argument("--trace-dir", default="/tmp/jaxmamba-bench-traces")
     p.add_argument("--fast-weights", action="store_true",
                    help="random weights from bench_cold_start.random_params (seconds) instead "
@@ -223,9 +225,10 @@ def main() -> None:
                                 for r in res]  # fmt: skip
             if trace_dir:
                 steps = 1 if phase == "prefill" else args.output_len
-                summary = summarize_trace(f"{trace_dir}/{phase}", steps)
+                summary = summarize_trace(f"{trace_dir}/{phase}", steps, top=10_000)
                 record.setdefault("profiles", {})[name] = summary
-                profiles.append(format_trace_summary(f"{name} ({args.impl})", summary))
+                shown = dict(summary, top=summary["top"][: args.profile_top])
+                profiles.append(format_trace_summary(f"{name} ({args.impl})", shown))
         except Exception:  # noqa: BLE001 - report and carry on with the next case
             traceback.print_exc()
             record["cases"].append(

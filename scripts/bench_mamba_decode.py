@@ -10,7 +10,8 @@ timed; each case prints as it finishes. Roofline: both states read and written o
 in_proj columns read and y written.
 
     python scripts/bench_mamba_decode.py [--rows 1,32,128,256] [--json out.json]
-        [--sweep]     # the fused kernel again with each of STATE_SWEEP's state tiles
+        [--sweep]     # the fused kernel again with each of STATE_SWEEP's state tiles, and
+                      # with no checkpoint entries
     python scripts/bench_mamba_decode.py --smoke      # CPU: interpret mode, toy shapes
 
 Setup and the timing method: see ``bench_common.py`` (``busy_program``, ``busy_time``).
@@ -60,8 +61,14 @@ class _Pools:
         return jnp.asarray(self.conv, bc.ACT), jnp.asarray(self.ssm, jnp.float32)
 
 
-def _op(fused: bool, interpret: bool, block_sizes: GpuBlockSizes | None = None):
-    """One step ``op((conv, ssm), *inputs, slots) -> (y, (conv, ssm))``."""
+def _op(
+    fused: bool,
+    interpret: bool,
+    block_sizes: GpuBlockSizes | None = None,
+    checkpoints: bool = True,
+):
+    """One step ``op((conv, ssm), *inputs, slots) -> (y, (conv, ssm))``; ``checkpoints=False``
+    passes no checkpoint entries (what the entries themselves cost the kernels)."""
     chain = functools.partial(
         decode_chain,
         functools.partial(causal_conv1d_update_gpu, interpret=interpret),
@@ -71,6 +78,8 @@ def _op(fused: bool, interpret: bool, block_sizes: GpuBlockSizes | None = None):
     fn = fused_fn if fused else chain
 
     def op(pools, zx, w, b, a, d, dt_bias, src, dst, slots):
+        if not checkpoints:
+            src = dst = None
         y, conv, ssm = fn(*pools, zx, w, b, a, slots, D=d, dt_bias=dt_bias,
                           track_src=src, track_dst=dst)  # fmt: skip
         return y, (conv, ssm)
@@ -130,6 +139,8 @@ def bench_batch(rows: int, args, rng, out: list) -> None:
             print(f"  b{rows} variant {name}: FAILED {type(e).__name__}: {str(e)[:400]}")
             del variants[name]
     ops.update({f"fused {name}": op for name, op in variants.items()})
+    if args.sweep:
+        ops["fused, no checkpoint entries"] = _op(True, args.smoke, checkpoints=False)
 
     nbytes = rows * (2 * (h * p * n * 4 + (k - 1) * lay.conv_dim * 2) + (lay.conv_dim + h) * 2
                      + h * p * 2)  # fmt: skip

@@ -1,0 +1,125 @@
+"""Where the peer path's decode step spends its device time: the 9B decode step of
+`../shared/anchors/anchor_torch_e2e.py` (prepared into `.anchors` by its `prepare.sh`),
+captured in a CUDA graph as the anchor times it, then replayed under `torch.profiler`;
+prints kernels a step, busy and span, and every kernel's calls and µs a step, grouped by name
+(the same table `jaxmamba.bench.format_trace_summary` prints for our step).
+
+    python3 scripts/dev/profile_peer_decode.py --peer-dir .anchors --batch 32 256 \
+        --json $OUT/peer_profile.json
+
+The anchor is imported from `--peer-dir` at run time; nothing of it is copied here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+
+def profile_graph(torch, replay, replays: int) -> dict:
+    """Kernel events of ``replays`` calls of ``replay`` as one table, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                replay()
+            torch.cuda.synchronize()
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(float(e["dur"]))
+    busy = sum(sum(v) for v in by_name.values())
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+            if kernels else 0.0)  # fmt: skip
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "kernels_per_step": len(kernels) / replays,
+        "busy_us_per_step": busy / replays,
+        "span_us_per_step": span / replays,
+        "top": [
+            {
+                "name": n[:120],
+                "calls_per_step": len(d) / replays,
+                "us_per_step": sum(d) / replays,
+                "share": sum(d) / busy if busy else 0.0,
+            }
+            for n, d in ranked
+        ],  # fmt: skip
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--peer-dir", default=".anchors")
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    p.add_argument("--context", type=int, default=520, help="cached tokens a row (the anchor's "
+                   "decode case at --decode-context 512, --output-len 16)")  # fmt: skip
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--json")
+    args = p.parse_args()
+    sys.path.insert(0, os.path.abspath(args.peer_dir))
+    import anchor_torch_e2e as peer  # noqa: PLC0415 - from --peer-dir, at run time
+    import torch  # noqa: PLC0415
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = peer.Cfg()
+    model = peer.Model(c, num_slots=max(args.batch) + 1)
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": {}}
+    for batch in args.batch:
+        kv_len = args.context + 1
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        kv = [tuple(torch.randn(batch, c.kv_heads, kv_len, c.attn_dim, device="cuda",
+                                dtype=torch.bfloat16, generator=gen) for _ in range(2))
+              for _ in range(c.n_attn)]  # fmt: skip
+        slots = (torch.randperm(model.num_slots - 1, device="cuda", generator=gen)[:batch]
+                 + 1).to(torch.int32)  # fmt: skip
+        tok = torch.randint(0, c.vocab, (batch,), device="cuda", generator=gen)
+        pos_t = torch.tensor([args.context], device="cuda")
+
+        def step(tok=tok, slots=slots, kv=kv, pos_t=pos_t, kv_len=kv_len):
+            tok.copy_(model.decode(tok, slots, kv, pos_t, kv_len))
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        summary = profile_graph(torch, graph.replay, args.replays)
+        if summary["kernels_per_step"] == 0:  # a profiler that does not see graph kernels
+            summary = profile_graph(torch, step, args.replays)
+            summary["eager"] = True
+        record["cases"][f"d{batch}"] = summary
+        print(
+            f"peer decode batch {batch}: {summary['kernels_per_step']:.0f} kernels/step, busy "
+            f"{summary['busy_us_per_step'] / 1e3:.2f} ms, span "
+            f"{summary['span_us_per_step'] / 1e3:.2f} ms per step"
+            + (" (eager: the profiler saw no graph kernels)" if summary.get("eager") else "")
+        )
+        print("| kernel | calls/step | µs/step | share |\n|---|---|---|---|")
+        for k in summary["top"][:40]:
+            print(f"| `{k['name'][:90]}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.0f} | "
+                  f"{k['share']:.1%} |")  # fmt: skip
+        del graph, kv
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
