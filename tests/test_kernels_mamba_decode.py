@@ -11,7 +11,11 @@ import pytest
 from jaxmamba.kernels import mamba2_decode, mamba2_decode_ref
 from jaxmamba.kernels.conv1d.gpu import UpdateGpuBlockSizes, causal_conv1d_update_gpu
 from jaxmamba.kernels.mamba_decode import FUSED_ENV, DecodeLayout, decode_chain
-from jaxmamba.kernels.mamba_decode.gpu import GpuBlockSizes, mamba2_decode_gpu
+from jaxmamba.kernels.mamba_decode.gpu import (
+    GpuBlockSizes,
+    mamba2_decode_gpu,
+    track_targets_by_row,
+)
 from jaxmamba.kernels.state_update.gpu import GpuBlockSizes as StateBlockSizes
 from jaxmamba.kernels.state_update.gpu import selective_state_update_gpu
 
@@ -122,6 +126,18 @@ def test_fused_decode_matches_chain_reference_numpy_and_unfused_kernels(
     )
     fused = functools.partial(mamba2_decode_gpu, interpret=True, block_sizes=sizes, **kw)
     y, conv, ssm = jax.jit(fused)(*args)
+    if tracks:  # the targets by row, as ForwardMetadata passes them: the same step
+        pairs = dict(
+            zip(
+                np.asarray(kw["track_src"]).tolist(),
+                np.asarray(kw["track_dst"]).tolist(),
+                strict=True,
+            )
+        )
+        by_row = jnp.asarray([pairs.get(s, pad) for s in slots.tolist()], jnp.int32)
+        got = jax.jit(functools.partial(fused, track_by_row=by_row))(*args)
+        for a, b in zip(got, (y, conv, ssm), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     real = slots != pad
     y, conv, ssm = np.asarray(y, np.float32)[real], np.asarray(conv, np.float32), np.asarray(ssm)
 
@@ -192,3 +208,22 @@ def test_fused_decode_dispatch_picks_kernels_by_platform(monkeypatch):
     # No TPU kernel of its own: the two ops' Mosaic TPU kernels.
     assert "tpu_custom_call" in lowered("pallas_tpu", "tpu")
     assert "custom_call" not in lowered("auto", "tpu")  # traced on CPU: the references
+
+
+def test_track_targets_by_row_reads_each_rows_copy_from_the_list():
+    pad = 9
+    slots = jnp.asarray([4, 0, 7, pad, pad], jnp.int32)
+    src = jnp.asarray([7, pad, 0, 4], jnp.int32)  # slot 4's entry is unused (target pad)
+    dst = jnp.asarray([2, pad, 8, pad], jnp.int32)
+    got = track_targets_by_row(slots, src, dst, pad)
+    np.testing.assert_array_equal(np.asarray(got), [pad, 8, 2, pad, pad])
+
+
+def test_track_by_row_is_checked_against_the_rows():
+    rng = np.random.default_rng(3)
+    args, kw, *_ = _inputs(rng, 4, 2, 8, 1, 16, 4, jnp.float32, True, True)
+    with pytest.raises(ValueError, match="track_by_row"):
+        mamba2_decode(*args, impl="ref", track_by_row=jnp.zeros((3,), jnp.int32), **kw)
+    kw.pop("track_src"), kw.pop("track_dst")
+    with pytest.raises(ValueError, match="track_by_row"):
+        mamba2_decode(*args, impl="ref", track_by_row=jnp.zeros((4,), jnp.int32), **kw)

@@ -127,7 +127,8 @@ class Mamba2Mixer(nn.Module):
             y_d, conv_pool, ssm_pool = mamba2_decode(
                 conv_pool, ssm_pool, zxbcdt, weight, bias, A, dec.state_slots,
                 D=d_skip, dt_bias=dt_bias, dt_softplus=True,
-                track_src=dec.track_src_slots, track_dst=dec.track_dst_slots, impl=self.impl,
+                track_src=dec.track_src_slots, track_dst=dec.track_dst_slots,
+                track_by_row=dec.track_slots, impl=self.impl,
             )  # fmt: skip
             outputs.append(y_d)
 

@@ -132,6 +132,7 @@ class DecodeMetadata(NamedTuple):
     state_slots: jax.Array  # i32[Bd]
     track_src_slots: jax.Array  # i32[KT] checkpoint copies: from these working slots...
     track_dst_slots: jax.Array  # i32[KT] ...to these track slots (unused entries: pad → pad)
+    track_slots: jax.Array  # i32[Bd] the same copies by row: each row's target (pad: none)
 
 
 class ForwardMetadata(NamedTuple):
@@ -205,6 +206,7 @@ class ForwardMetadata(NamedTuple):
                 state_slots=slots,
                 track_src_slots=jnp.where(used, slots[rows], pad_slot),
                 track_dst_slots=jnp.where(used, targets[rows], pad_slot),
+                track_slots=targets,
             )
 
         prefill = None

@@ -55,13 +55,15 @@ def mamba2_decode(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     track_src: jax.Array | None = None,  # i32[KT] checkpoint copies: from these working slots
     track_dst: jax.Array | None = None,  # i32[KT] ...to these (unused entries: pad → pad)
+    track_by_row: jax.Array | None = None,  # i32[B] the same copies by row (pad slot: none)
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode token per row: ``xBC = silu(conv(state, xBC) + bias)``, then
     ``h' = exp(dt A) h + dt x ⊗ B``, ``y = h'·C + D x`` with ``dt = softplus(dt + dt_bias)``
     clipped to ``dt_limit``; after the step the state of slot ``track_src[j]`` is also in
     ``track_dst[j]`` (every ``track_src`` entry with a non-pad ``track_dst`` is one of
-    ``slots``).
+    ``slots``). ``track_by_row``, when given, holds each row's target of those copies: the GPU
+    kernels read one target a row (they derive it from the list otherwise), the chain the list.
 
     Returns ``(y [B, H, P] zxbcdt.dtype, new_conv_state, new_ssm_state)``. The GPU kernels
     update both pools in place (aliased): donate them in the jitted caller.
@@ -89,6 +91,11 @@ def mamba2_decode(
             f"{None if track_src is None else track_src.shape}, "
             f"{None if track_dst is None else track_dst.shape}"
         )
+    if track_by_row is not None and (track_src is None or track_by_row.shape != (rows,)):
+        raise ValueError(
+            f"track_by_row goes with track_src/track_dst and is [B={rows}]; got "
+            f"{track_by_row.shape} with track_src {None if track_src is None else track_src.shape}"
+        )
     check_optional_shapes(
         conv_bias=(conv_bias, (lay.conv_dim,)),
         D=(D, (lay.num_heads,)),
@@ -102,7 +109,8 @@ def mamba2_decode(
 
     def gpu(*args, interpret: bool, **kwargs):
         if interpret or use_fused(rows):
-            return mamba2_decode_gpu(*args, interpret=interpret, **kwargs)
+            return mamba2_decode_gpu(*args, track_by_row=track_by_row, interpret=interpret,
+                                     **kwargs)  # fmt: skip
         return chain(*args, **kwargs)
 
     platform = impl.partition("_")[2] or current_platform()

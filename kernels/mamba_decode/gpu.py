@@ -19,10 +19,12 @@ G = 8 programs for 5 MB of state a layer, a few SMs streaming what the 128-progr
 kernel spreads over the GPU. The gate and the grouped RMSNorm stay in XLA for the same
 reason: a group's norm spans 16 heads, 16 programs.
 
-The checkpoint copies (``track_src`` → ``track_dst``, at most MAX_DECODE_CHECKPOINTS a step)
-that the unfused path runs as gathers and scatters of whole states after the kernels are
-stores of values already in registers here: a program whose slot is ``track_src[j]`` also
-stores its tiles to ``track_dst[j]`` (skipped when that is the pad slot).
+The checkpoint copies that the unfused path runs as gathers and scatters of whole states
+after the kernels are stores of values already in registers here: each row's checkpoint target
+(``track_by_row``, the pad slot for none) is loaded beside its slot, and a program whose target
+is not the pad slot stores its tiles there too. One target a row, not the step's list of
+copies: scanning the list in every program cost the 9B layer 4 / 9 / 31 µs at batch 32 / 128 /
+256 (``bench_mamba_decode.py --sweep``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -63,40 +65,41 @@ def _aligned(start, *parts: int):
     return pl.multiple_of(start, functools.reduce(math.gcd, parts))
 
 
-def _track_targets(num_tracks: int, pad_slot: int, slot, src_ref, dst_ref) -> list:
-    """``(whether, dst)`` for each checkpoint entry: whether its source is this program's slot
-    (and its target not the pad slot). Loaded once a program, before the state arrives."""
-    targets = []
-    for j in range(num_tracks):
-        dst = dst_ref[j]
-        targets.append(((src_ref[j] == slot) & (dst != pad_slot), dst))
-    return targets
+def _store_tracked(target, pad_slot: int, store) -> None:
+    """``store(target)`` when the row checkpoints this step (its target is not the pad slot)."""
+
+    @pl.when(target != pad_slot)
+    def _():
+        store(target)
 
 
-def _store_tracked(targets: list, store) -> None:
-    """``store(dst)`` for each checkpoint entry of this program's slot."""
-    for whether, dst in targets:
-
-        @pl.when(whether)
-        def _(dst=dst):
-            store(dst)
+def track_targets_by_row(
+    slots: jax.Array,  # i32[B]
+    track_src: jax.Array,  # i32[KT]
+    track_dst: jax.Array,  # i32[KT]
+    pad_slot: int,
+) -> jax.Array:  # i32[B]
+    """Each row's checkpoint target from the list of copies (pad slot: none). A working slot is
+    the source of at most one copy with a real target, so the largest match is the one."""
+    match = (track_src[None, :] == slots[:, None]) & (track_dst[None, :] != pad_slot)
+    target = jnp.max(jnp.where(match, track_dst[None, :], -1), axis=1)
+    return jnp.where(target < 0, pad_slot, target).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------- conv
 
 
 def _conv_kernel(
-    lay: DecodeLayout, k: int, bd: int, act, has_bias: bool, num_tracks: int, pad_slot: int,
-    slots_ref, src_ref, dst_ref, state_ref, zx_ref, w_ref, *rest,
+    lay: DecodeLayout, k: int, bd: int, act, has_bias: bool, pad_slot: int,
+    slots_ref, track_ref, state_ref, zx_ref, w_ref, *rest,
 ):  # fmt: skip
     bias_ref, y_ref, state_out_ref = rest if has_bias else (None, *rest)
     row = pl.program_id(0)
     d0 = pl.program_id(1) * bd
     d = pl.ds(pl.multiple_of(d0, bd), bd)
-    slot = slots_ref[row]
+    slot, target = slots_ref[row], track_ref[row]
     x = zx_ref[row, pl.ds(_aligned(lay.xbc_col + d0, lay.xbc_col, bd), bd)]
     window = [state_ref[slot, tap, d] for tap in range(k - 1)] + [x.astype(state_ref.dtype)]
-    targets = _track_targets(num_tracks, pad_slot, slot, src_ref, dst_ref)
     acc = jnp.zeros((bd,), _F32)
     for tap in range(k):
         acc = acc + w_ref[tap, d].astype(_F32) * window[tap].astype(_F32)
@@ -106,7 +109,7 @@ def _conv_kernel(
             state_out_ref[dst, tap, d] = window[tap + 1]
 
     store(slot)
-    _store_tracked(targets, store)
+    _store_tracked(target, pad_slot, store)
     if bias_ref is not None:
         acc = acc + bias_ref[d].astype(_F32)
     y_ref[row, d] = act(acc).astype(y_ref.dtype)
@@ -121,13 +124,12 @@ class _StateOptions:
     has_bias: bool
     dt_softplus: bool
     dt_limit: tuple[float, float]
-    num_tracks: int
     pad_slot: int
 
 
 def _state_kernel(
     lay: DecodeLayout, opts: _StateOptions, bp: int, tiles: int, bn: int,
-    slots_ref, src_ref, dst_ref, state_ref, xbc_ref, zx_ref, a_ref, *rest,
+    slots_ref, track_ref, state_ref, xbc_ref, zx_ref, a_ref, *rest,
 ):  # fmt: skip
     rest = list(rest)
     d_ref = rest.pop(0) if opts.has_d else None
@@ -135,7 +137,7 @@ def _state_kernel(
     y_ref, state_out_ref = rest
     pblk, head, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     p_dim, n_dim = lay.head_dim, lay.state_size
-    slot = slots_ref[row]
+    slot, target = slots_ref[row], track_ref[row]
     group = jax.lax.div(head, lay.num_heads // lay.num_groups)
     p_starts = [(pblk * tiles + i) * bp for i in range(tiles)]
     ps = [pl.ds(pl.multiple_of(p0, bp), bp) for p0 in p_starts]
@@ -148,7 +150,6 @@ def _state_kernel(
     bs = [xbc_ref[row, pl.ds(_aligned(b_col + n.start, lay.b_col, n_dim, bn), bn)] for n in ns]
     cs = [xbc_ref[row, pl.ds(_aligned(c_col + n.start, lay.c_col, n_dim, bn), bn)] for n in ns]
     dt = zx_ref[row, lay.dt_col + head]
-    targets = _track_targets(opts.num_tracks, opts.pad_slot, slot, src_ref, dst_ref)
     bias = None if bias_ref is None else bias_ref[head]
     skip = None if d_ref is None else d_ref[head].astype(_F32)
     a = a_ref[head].astype(_F32)
@@ -166,7 +167,7 @@ def _state_kernel(
                 state_out_ref[dst, head, p, n] = new
 
             store(slot)
-            _store_tracked(targets, store)
+            _store_tracked(target, opts.pad_slot, store)
             y = y + jnp.sum(hij * cs[j].astype(_F32)[None, :], axis=1)
         if skip is not None:
             y = y + skip * x
@@ -188,6 +189,7 @@ def mamba2_decode_gpu(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     track_src: jax.Array | None = None,  # i32[KT]
     track_dst: jax.Array | None = None,  # i32[KT]
+    track_by_row: jax.Array | None = None,  # i32[B]
     interpret: bool = False,
     block_sizes: GpuBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -195,15 +197,13 @@ def mamba2_decode_gpu(
     lay = DecodeLayout.of(ssm_state, conv_weight, A)
     bs = block_sizes or GpuBlockSizes.get_default(rows)
     slots = slots.astype(jnp.int32)
-    if track_src is None:
-        track_src = track_dst = jnp.zeros((0,), jnp.int32)
-    # A zero-length array cannot be passed to a kernel; one pad → pad entry does nothing.
     pad_slot = conv_state.shape[0] - 1
-    if track_src.shape[0] == 0:
-        track_src = track_dst = jnp.full((1,), pad_slot, jnp.int32)
-    track_src, track_dst = track_src.astype(jnp.int32), track_dst.astype(jnp.int32)
-    num_tracks = track_src.shape[0]
-    tracks = (slots, track_src, track_dst)
+    if track_by_row is None:
+        track_by_row = (
+            jnp.full((rows,), pad_slot, jnp.int32) if track_src is None
+            else track_targets_by_row(slots, track_src, track_dst, pad_slot)
+        )  # fmt: skip
+    tracks = (slots, track_by_row.astype(jnp.int32))
 
     # conv: [B, D] post-SiLU xBC, the conv state shifted in place.
     k, dim = conv_weight.shape
@@ -212,15 +212,13 @@ def mamba2_decode_gpu(
     approx = jnp.dtype(zxbcdt.dtype) == jnp.bfloat16
     act = functools.partial(conv_silu, approx=approx, interpret=interpret)
     xbc, conv_state = pallas_call(
-        functools.partial(
-            _conv_kernel, lay, k, bd, act, conv_bias is not None, num_tracks, pad_slot
-        ),
+        functools.partial(_conv_kernel, lay, k, bd, act, conv_bias is not None, pad_slot),
         grid=(rows, dim // bd),
         out_shape=[
             jax.ShapeDtypeStruct((rows, dim), zxbcdt.dtype),
             jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
         ],
-        input_output_aliases={3: 1},
+        input_output_aliases={2: 1},
         compiler_params=pltriton.CompilerParams(num_warps=bs.conv.num_warps, num_stages=1),
         interpret=interpret,
         name="mamba2_decode_conv",
@@ -232,7 +230,7 @@ def mamba2_decode_gpu(
     tiles = largest_divisor(lay.head_dim // bp, sb.tiles)
     bn = pow2_divisor(lay.state_size, sb.state)
     opts = _StateOptions(D is not None, dt_bias is not None, dt_softplus, tuple(dt_limit),
-                         num_tracks, pad_slot)  # fmt: skip
+                         pad_slot)  # fmt: skip
     optional = [v for v in (D, dt_bias) if v is not None]
     y, ssm_state = pallas_call(
         functools.partial(_state_kernel, lay, opts, bp, tiles, bn),
@@ -242,7 +240,7 @@ def mamba2_decode_gpu(
             jax.ShapeDtypeStruct((rows, lay.num_heads, lay.head_dim), zxbcdt.dtype),
             jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype),
         ],
-        input_output_aliases={3: 1},
+        input_output_aliases={2: 1},
         compiler_params=pltriton.CompilerParams(num_warps=sb.num_warps, num_stages=sb.num_stages),
         interpret=interpret,
         name="mamba2_decode_state",
