@@ -44,6 +44,13 @@ from jaxmamba.model.sampling import (
 )
 
 MIXES = ("greedy", "temperature", "top_k50", "top_p0.9", "mixed")
+# (row name, sample switches, with the penalties' state) for all-greedy rows
+GREEDY_PARTS = (
+    ("greedy_no_penalties", {}, False),
+    ("greedy_no_draw", {"draw": False}, True),
+    ("greedy_no_draw_no_penalties", {"draw": False}, False),
+    ("greedy_argmax_logprob", {"draw": False, "ranks": False}, False),
+)
 
 
 def median_us(fn, *args, reps: int = 30) -> float:
@@ -91,6 +98,15 @@ def bench_sampler(vocab: int, batches: list[int]) -> list[dict]:
             full, plain = sample_jit(logits, *args), plain_jit(logits, *args)
             assert np.array_equal(np.asarray(full.tokens), np.asarray(plain.tokens)), mix
             row[f"plain_{mix}"] = median_us(plain_jit, logits, *args)
+        # What each part of the plain greedy program costs: the penalties' [B, V] state, the
+        # random draw and the ranks, each left out in turn (the same tokens).
+        args = sampling_args("greedy", b, vocab, rng)
+        want = np.asarray(plain_jit(logits, *args).tokens)
+        for name, kw, penalties in GREEDY_PARTS:
+            fn = jax.jit(functools.partial(sample, cutoff=False, top_logprobs=False, **kw))
+            part_args = args if penalties else (*args[:-1], None)
+            assert np.array_equal(np.asarray(fn(logits, *part_args).tokens), want), name
+            row[name] = median_us(fn, logits, *part_args)
         row["top20_lax"] = median_us(jax.jit(lambda x: jax.lax.top_k(x, MAX_LOGPROBS)), logits)
         for block in (1024, 2048, 4096, 8192):
             fn = jax.jit(functools.partial(top_k_blocked, k=MAX_LOGPROBS, block=block))

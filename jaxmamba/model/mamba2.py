@@ -163,7 +163,7 @@ class Mamba2Mixer(nn.Module):
                 f = meta.forks
                 conv_pool = conv_pool.at[f.dst_slots].set(conv_pool[f.src_slots])
                 ssm_pool = ssm_pool.at[f.dst_slots].set(ssm_pool[f.src_slots])
-            outputs.append(y_p)
+            outputs.append(y_p.reshape(-1, d_inner))
 
         y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
         y = y.reshape(num_tokens, d_inner)

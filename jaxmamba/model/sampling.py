@@ -217,6 +217,8 @@ def sample(
     *,
     cutoff: bool = True,
     top_logprobs: bool = True,
+    draw: bool = True,
+    ranks: bool = True,
 ) -> SampleOutput:
     """Sample one token per row: greedy, or a Gumbel-max draw from the processed,
     temperature-scaled distribution cut by top-k/top-p/min-p (``filter_cutoff``).
@@ -226,7 +228,9 @@ def sample(
     Static switches (each value is its own program): ``cutoff=False`` leaves out the sort and
     the cut-off, exact only when no drawing row filters (`needs_cutoff` is False: every kept
     set is then the whole vocabulary); ``top_logprobs=False`` leaves out the top logprobs
-    (``top_ids`` and ``top_logprobs`` are zeros), for steps where no row asks for them.
+    (``top_ids`` and ``top_logprobs`` are zeros), for steps where no row asks for them;
+    ``draw=False`` leaves out the random draw, exact only when every row is greedy;
+    ``ranks=False`` leaves out the ranks (zeros), for steps where no row asks for logprobs.
     """
     vocab = logits.shape[-1]
     raw = logits.astype(jnp.float32)
@@ -236,8 +240,29 @@ def sample(
         processed = process_logits(raw, counters, min_tokens, stop_ids, bias_ids, bias_values)
     if penalties is not None:
         processed = apply_penalties(processed, penalties)
-    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    if draw:
+        tokens = jnp.where(temperature > 0, _draw(processed, temperature, top_p, top_k, min_p,
+                                                  seeds, counters, cutoff), tokens)  # fmt: skip
 
+    token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
+    rank = jnp.zeros(tokens.shape, jnp.int32)
+    if ranks:
+        rank = jnp.sum(raw >= token_logits, axis=-1).astype(jnp.int32)
+    k = min(MAX_LOGPROBS, vocab)
+    top_ids = jnp.zeros((raw.shape[0], k), jnp.int32)
+    top_lp = jnp.zeros((raw.shape[0], k), jnp.float32)
+    if top_logprobs:
+        top_logits, top_ids = top_k_blocked(raw, k)
+        top_lp = top_logits - log_norm[:, None]
+    return SampleOutput(tokens, token_logits[:, 0] - log_norm, rank, top_ids.astype(jnp.int32),
+                        top_lp)  # fmt: skip
+
+
+def _draw(processed, temperature, top_p, top_k, min_p, seeds, counters, cutoff: bool):
+    """i32[B]: a Gumbel-max draw from each row's temperature-scaled logits, cut by
+    top-k/top-p/min-p when ``cutoff``."""
+    vocab = processed.shape[-1]
     scaled = processed / jnp.maximum(temperature, 1e-6)[:, None]
     masked = scaled
     if cutoff:
@@ -250,19 +275,7 @@ def sample(
 
     rng_keys = jax.vmap(row_key)(seeds, counters)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(rng_keys)
-    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(temperature > 0, sampled, greedy)
-
-    token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
-    ranks = jnp.sum(raw >= token_logits, axis=-1).astype(jnp.int32)
-    k = min(MAX_LOGPROBS, vocab)
-    top_ids = jnp.zeros((raw.shape[0], k), jnp.int32)
-    top_lp = jnp.zeros((raw.shape[0], k), jnp.float32)
-    if top_logprobs:
-        top_logits, top_ids = top_k_blocked(raw, k)
-        top_lp = top_logits - log_norm[:, None]
-    return SampleOutput(tokens, token_logits[:, 0] - log_norm, ranks, top_ids.astype(jnp.int32),
-                        top_lp)  # fmt: skip
+    return jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
 
 
 class PromptLogprobs(NamedTuple):

@@ -65,7 +65,7 @@ def mamba2_decode(
     ``slots``). ``track_by_row``, when given, holds each row's target of those copies: the GPU
     kernels read one target a row (they derive it from the list otherwise), the chain the list.
 
-    Returns ``(y [B, H, P] zxbcdt.dtype, new_conv_state, new_ssm_state)``. The GPU kernels
+    Returns ``(y [B, H·P] zxbcdt.dtype, new_conv_state, new_ssm_state)``. The GPU kernels
     update both pools in place (aliased): donate them in the jitted caller.
     """
     lay = DecodeLayout.of(ssm_state, conv_weight, A)

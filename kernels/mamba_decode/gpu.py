@@ -8,8 +8,9 @@ Two kernels a layer, both reading the in_proj output ``zxbcdt [T, W]`` in place 
    that checkpoints this step, to its track slot too; ``silu(conv + bias)`` goes to ``xbc``
    ``[B, D]``. The arithmetic (and the SiLU form) is ``conv1d.gpu``'s update kernel's.
 2. *state*, grid ``(P / (bp * tiles), H, B)``: dt processing, the selective state update with
-   the D skip, the new state stored in place and to the track slot; x, B and C are read from
-   ``xbc`` by offset, dt from ``zxbcdt``. The arithmetic is ``state_update.gpu``'s kernel's.
+   the D skip into ``y [B, H·P]``, the new state stored in place and to the track slot; x, B
+   and C are read from ``xbc`` by offset, dt from ``zxbcdt``. The arithmetic is
+   ``state_update.gpu``'s kernel's.
 
 Why two kernels and not one: the B and C channels of the conv are shared by the H/G heads
 of a group, so a one-kernel grid finer than ``(B, G)`` programs would have one program shift
@@ -171,7 +172,9 @@ def _state_kernel(
             y = y + jnp.sum(hij * cs[j].astype(_F32)[None, :], axis=1)
         if skip is not None:
             y = y + skip * x
-        y_ref[row, head, p] = y.astype(y_ref.dtype)
+        y_ref[row, pl.ds(_aligned(head * p_dim + p_starts[i], p_dim, bp), bp)] = y.astype(
+            y_ref.dtype
+        )
 
 
 def mamba2_decode_gpu(
@@ -224,7 +227,8 @@ def mamba2_decode_gpu(
         name="mamba2_decode_conv",
     )(*tracks, conv_state, zxbcdt, conv_weight, *([] if conv_bias is None else [conv_bias]))
 
-    # state: y [B, H, P], the SSM state updated in place.
+    # state: y [B, H·P] (heads flat, as the gated norm reads them: a [B, H, P] output made
+    # XLA convert it to float32 in a pass of its own before the norm), the state in place.
     sb = bs.state
     bp = pow2_divisor(lay.head_dim, sb.head_dim)
     tiles = largest_divisor(lay.head_dim // bp, sb.tiles)
@@ -237,7 +241,7 @@ def mamba2_decode_gpu(
         # P blocks vary fastest: neighbouring programs stream one slot's contiguous state.
         grid=(lay.head_dim // (bp * tiles), lay.num_heads, rows),
         out_shape=[
-            jax.ShapeDtypeStruct((rows, lay.num_heads, lay.head_dim), zxbcdt.dtype),
+            jax.ShapeDtypeStruct((rows, lay.d_inner), zxbcdt.dtype),
             jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype),
         ],
         input_output_aliases={2: 1},

@@ -101,7 +101,7 @@ def decode_chain(
     if track_src is not None:  # the checkpoint copies (unused entries: pad → pad)
         conv_state = conv_state.at[track_dst].set(conv_state[track_src])
         ssm_state = ssm_state.at[track_dst].set(ssm_state[track_src])
-    return y, conv_state, ssm_state
+    return y.reshape(rows, h * p), conv_state, ssm_state
 
 
 def mamba2_decode_ref(*args, **kwargs) -> tuple[jax.Array, jax.Array, jax.Array]:
