@@ -140,6 +140,7 @@ def bench_one_batch(
     trace_dir: str | None = None,
     log=print,
     time_full_sampler: bool = False,
+    time_plain_sampler: bool = False,
 ) -> list[BenchResult]:
     """Time the phases asked for. A decode-only run fills the cache with prefills of at most
     ``max_setup_tokens`` tokens (whole rows per step, one bucket), so a large batch at a long
@@ -147,9 +148,11 @@ def bench_one_batch(
     random values instead (the same kernels over the same lengths, so the same work, and rows
     that differ, so MoE rows route apart, without the set-up prefills' compiles). The timed
     prefill is always one step. With ``trace_dir``, each timed phase runs once more under the
-    JAX profiler, into ``trace_dir/<phase>``. Decode rows are greedy and ask no top logprobs,
-    so the step runs the sampler without the sort where the runner has it;
-    ``time_full_sampler`` also times the same steps with the full sampler (``decode-full``)."""
+    JAX profiler, into ``trace_dir/<phase>``. Decode rows are greedy without penalties and ask
+    no logprobs, so the step runs the runner's cheapest sampler program (the argmax alone,
+    where it has the variants); ``time_full_sampler`` also times the same steps with the full
+    sampler (``decode-full``), ``time_plain_sampler`` with the sort-free one that draws and
+    ranks (``decode-plain``: rows that ask for logprobs 0, or sample)."""
     for name, value in (("batch", batch), ("input_len", input_len), ("output_len", output_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -207,18 +210,18 @@ def bench_one_batch(
         return builder.build(rows, Bucket(batch, batch, batch))
 
     decodes = [decode_inputs(s) for s in range(output_len)]
-    # Greedy rows that ask no top logprobs, as the engine runs them: the sampler without the
-    # sort (JAXMAMBA_SAMPLER_VARIANTS=0 times the full one).
+    # Greedy rows that ask no logprobs, as the engine runs them: the argmax-only sampler
+    # (JAXMAMBA_SAMPLER_VARIANTS=0 times the full one).
     start = time.perf_counter()
-    jax.block_until_ready(runner.step(decodes[0], batch, top_logprobs=False))
-    sampler = runner.sampler_variant(decodes[0], batch, top_logprobs=False)
+    jax.block_until_ready(runner.step(decodes[0], batch, top_logprobs=False, ranks=False))
+    sampler = runner.sampler_variant(decodes[0], batch, top_logprobs=False, ranks=False)
     log(f"  compiled+ran decode batch {batch} ({sampler} sampler) in "
         f"{time.perf_counter() - start:.1f} s")  # fmt: skip
 
-    def run_decode(top_logprobs=False):
+    def run_decode(top_logprobs=False, ranks=False):
         out = None
         for inputs in decodes:
-            out = runner.step(inputs, batch, top_logprobs=top_logprobs)
+            out = runner.step(inputs, batch, top_logprobs=top_logprobs, ranks=ranks)
         return out
 
     # Re-running the same positions rewrites the same cache entries: the work per step and
@@ -231,11 +234,14 @@ def bench_one_batch(
     step_bytes = decode_bytes(cfg, params, batch, context, dtype)
     bw = step_bytes / t_decode / PEAK_HBM_BYTES
     results.append(BenchResult("decode", batch, input_len, t_decode, batch / t_decode, bw))
-    if time_full_sampler:
-        jax.block_until_ready(run_decode(top_logprobs=True))  # compiles the full sampler
-        t_full = median_time(lambda: run_decode(True), max(1, repeats // 2)) / output_len
-        results.append(BenchResult("decode-full", batch, input_len, t_full, batch / t_full,
-                                   step_bytes / t_full / PEAK_HBM_BYTES))  # fmt: skip
+    others = {"decode-full": (True, True)} if time_full_sampler else {}
+    if time_plain_sampler:
+        others["decode-plain"] = (False, True)
+    for phase, wants in others.items():
+        jax.block_until_ready(run_decode(*wants))  # compiles that sampler's program
+        t = median_time(lambda wants=wants: run_decode(*wants), max(1, repeats // 2)) / output_len
+        results.append(BenchResult(phase, batch, input_len, t, batch / t,
+                                   step_bytes / t / PEAK_HBM_BYTES))  # fmt: skip
     return results
 
 

@@ -7,8 +7,9 @@ not lose the others; stops starting cases when the time budget runs out.
         --profile-cases p8x2048 d1
 
 A prefill case times one step of B x L tokens; a decode case fills the cache in prefills of at
-most 32k tokens, then times decode steps (greedy rows: the sampler without the sort;
-`--full-sampler-too` times the full sampler on the same steps as well, row `decode-full`).
+most 32k tokens, then times decode steps (greedy rows that ask no logprobs: the argmax-only
+sampler; `--plain-sampler-too` and `--full-sampler-too` time the sort-free sampler that draws
+and ranks and the full sampler on the same steps as well, rows `decode-plain`, `decode-full`).
 `--profile-cases` runs those cases once more under the JAX profiler and prints where the device
 time goes (kernels per step, busy vs span, top kernels). `--command-buffer-cases d1 d32` runs
 those decode cases again for each `--command-buffer-values` entry, the step compiled with
@@ -148,6 +149,9 @@ def main() -> None:
     p.add_argument("--fast-weights", action="store_true",
                    help="random weights from bench_cold_start.random_params (seconds) instead "
                    "of init_params (which compiles Flax's init of the whole model)")  # fmt: skip
+    p.add_argument("--plain-sampler-too", action="store_true",
+                   help="decode cases: time the sort-free sampler that draws and ranks too "
+                   "(row decode-plain)")  # fmt: skip
     p.add_argument("--full-sampler-too", action="store_true",
                    help="decode cases: time the full sampler too (row decode-full)")  # fmt: skip
     p.add_argument("--command-buffer-cases", nargs="*", default=[],
@@ -214,6 +218,8 @@ def main() -> None:
                                   repeats=3, phases=(phase,), trace_dir=trace_dir,
                                   fill_cache=not args.no_fill_cache,
                                   log=lambda m: print(m, flush=True),
+                                  time_plain_sampler=args.plain_sampler_too and
+                                  command_buffer is None,
                                   time_full_sampler=args.full_sampler_too and
                                   command_buffer is None)  # fmt: skip
             if command_buffer is not None:

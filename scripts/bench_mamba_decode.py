@@ -10,8 +10,8 @@ timed; each case prints as it finishes. Roofline: both states read and written o
 in_proj columns read and y written.
 
     python scripts/bench_mamba_decode.py [--rows 1,32,128,256] [--json out.json]
-        [--sweep]     # the fused kernel again with each of STATE_SWEEP's state tiles, and
-                      # with no checkpoint entries
+        [--sweep]     # the fused kernels again with each of CONV_SWEEP's and STATE_SWEEP's
+                      # tiles, and built without the checkpoint stores
     python scripts/bench_mamba_decode.py --smoke      # CPU: interpret mode, toy shapes
 
 Setup and the timing method: see ``bench_common.py`` (``busy_program``, ``busy_time``).
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba.kernels.conv1d.gpu import causal_conv1d_update_gpu
+from jaxmamba.kernels.conv1d.gpu import UpdateGpuBlockSizes, causal_conv1d_update_gpu
 from jaxmamba.kernels.mamba_decode import DecodeLayout, decode_chain
 from jaxmamba.kernels.mamba_decode.gpu import GpuBlockSizes, mamba2_decode_gpu
 from jaxmamba.kernels.state_update.gpu import GpuBlockSizes as StateGpuBlockSizes
@@ -39,6 +39,14 @@ STEPS = {1: 64, 8: 16, 32: 8, 128: 4, 256: 4}  # steps a program: 0.3-5 ms of st
 MAX_CHECKPOINTS = 8  # jaxmamba.model.metadata.MAX_DECODE_CHECKPOINTS
 # --sweep: the fused kernel's state tiles (`state_update.gpu.GpuBlockSizes` fields), each
 # in place of the batch's default; the conv tiles keep theirs.
+# --sweep: the fused conv kernel's tiles (`conv1d.gpu.UpdateGpuBlockSizes` fields).
+CONV_SWEEP = [
+    dict(channels=512, num_warps=2),
+    dict(channels=1024, num_warps=4),
+    dict(channels=2048, num_warps=4),
+    dict(channels=2048, num_warps=8),
+    dict(channels=4096, num_warps=8),
+]
 STATE_SWEEP = [
     dict(tiles=1, num_warps=4),
     dict(tiles=5, num_warps=8),
@@ -68,7 +76,8 @@ def _op(
     checkpoints: bool = True,
 ):
     """One step ``op((conv, ssm), *inputs, slots) -> (y, (conv, ssm))``; ``checkpoints=False``
-    passes no checkpoint entries (what the entries themselves cost the kernels)."""
+    passes no checkpoint entries, so the kernels are built without the checkpoint stores (what
+    they cost)."""
     chain = functools.partial(
         decode_chain,
         functools.partial(causal_conv1d_update_gpu, interpret=interpret),
@@ -120,6 +129,11 @@ def bench_batch(rows: int, args, rng, out: list) -> None:
             default, state=dataclasses.replace(StateGpuBlockSizes(), **changes)))
         for changes in (STATE_SWEEP if args.sweep else [])
     }  # fmt: skip
+    variants.update({
+        "conv " + ",".join(f"{k}={v}" for k, v in changes.items()): _op(True, args.smoke,
+            dataclasses.replace(default, conv=UpdateGpuBlockSizes(**changes)))
+        for changes in (CONV_SWEEP if args.sweep else [])
+    })  # fmt: skip
 
     # Check: one step of each from the same pools.
     (y_f, (c_f, s_f)), (y_c, (c_c, s_c)) = (
@@ -140,7 +154,7 @@ def bench_batch(rows: int, args, rng, out: list) -> None:
             del variants[name]
     ops.update({f"fused {name}": op for name, op in variants.items()})
     if args.sweep:
-        ops["fused, no checkpoint entries"] = _op(True, args.smoke, checkpoints=False)
+        ops["fused, built without checkpoints"] = _op(True, args.smoke, checkpoints=False)
 
     nbytes = rows * (2 * (h * p * n * 4 + (k - 1) * lay.conv_dim * 2) + (lay.conv_dim + h) * 2
                      + h * p * 2)  # fmt: skip

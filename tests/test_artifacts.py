@@ -129,13 +129,14 @@ def _hf_greedy(model, prompt):
 
 def test_decode_steps_run_the_sort_free_program_with_the_same_results(artifact, checkpoint,
                                                                         prompts):  # fmt: skip
-    """The decode bucket is exported twice (the full sampler and the sort-free one); a greedy
-    request without top logprobs (logprobs=0: the sampled token's only) decodes on the
-    sort-free program, one asking for top logprobs on the full one, with equal tokens and
-    sampled logprobs, and HF's tokens and logprobs."""
+    """The decode bucket is exported three times (the full sampler, the sort-free one and the
+    argmax-only one); a greedy request without top logprobs (logprobs=0: the sampled token's
+    only) decodes on the sort-free program, one asking for no logprobs on the argmax-only one,
+    one asking for top logprobs on the full one, with equal tokens and sampled logprobs, and
+    HF's tokens and logprobs."""
     m = read_artifact(artifact).manifest
     decode = [b for b in m["buckets"] if b["num_decode"] == b["num_rows"]]
-    assert decode and all(set(b["variants"]) == {"plain"} for b in decode)
+    assert decode and all(set(b["variants"]) == {"plain", "greedy"} for b in decode)
     assert all("variants" not in b for b in m["buckets"] if b not in decode)
     llm = LLM(str(artifact), compilation_cache=False)
     steps = llm.runner.variant_steps
@@ -148,7 +149,17 @@ def test_decode_steps_run_the_sort_free_program_with_the_same_results(artifact, 
         results[logprobs] = _result(outs)
         ran = {k: steps[k] - before.get(k, 0) for k in steps}
         assert ran.get("plain", 0) == (len(prompts) * (MAX_TOKENS - 1) if logprobs == 0 else 0), ran
+        assert ran.get("greedy", 0) == 0, ran
         assert ran["full"] > 0  # the prefill steps
+    before = dict(steps)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    ran = {k: steps[k] - before.get(k, 0) for k in steps}
+    assert ran.get("greedy", 0) == len(prompts) * (MAX_TOKENS - 1) and not ran.get("plain"), ran
+    for out, full in zip(outs, results[2], strict=True):  # no logprobs: their sum
+        assert out.outputs[0].token_ids == full["tokens"]
+        np.testing.assert_allclose(out.outputs[0].cumulative_logprob, sum(full["logprobs"]),
+                                   atol=1e-5, rtol=0)  # fmt: skip
     for plain, full, prompt in zip(results[0], results[2], prompts, strict=True):
         assert plain["tokens"] == full["tokens"]
         np.testing.assert_allclose(plain["logprobs"], full["logprobs"], atol=1e-6, rtol=0)

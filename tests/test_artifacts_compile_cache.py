@@ -121,6 +121,6 @@ def test_precompile_reuses_the_memory_probes_executables():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     variants = [p for p in runner.programs(largest) if p[1] != "full"]
-    assert len(variants) == 1  # the decode bucket's sort-free sampler
+    assert len(variants) == 2  # the decode bucket's sort-free and argmax-only samplers
     assert runner.num_compiles == probes + len(variants), "precompile traced a probed bucket again"
     assert len(compiles) == len(variants), f"precompile compiled {len(compiles)} programs"

@@ -61,14 +61,14 @@ def _nodes(manifest):
 
 def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
-    # 3 buckets; the decode one also holds its sort-free sampler program.
-    assert len(manifest["buckets"]) == 3 and len(_nodes(manifest)) == 4
+    # 3 buckets; the decode one also holds its sort-free and argmax-only sampler programs.
+    assert len(manifest["buckets"]) == 3 and len(_nodes(manifest)) == 5
     assert all("cpu" in node["executables"] for node in _nodes(manifest))
     llm = LLM(str(artifact), compilation_cache=False, params=params)
-    assert llm.runner.loaded_executables == 4
+    assert llm.runner.loaded_executables == 5
     served, compiles = _compiles_while(lambda: _tokens(llm))
     assert compiles == 0
-    assert llm.runner.variant_steps["plain"] > 0  # greedy decode steps, stored compiled too
+    assert llm.runner.variant_steps["greedy"] > 0  # greedy decode steps, stored compiled too
     live = LLM("nemotron-h-tiny", compilation_cache=False, seed=0, **ENGINE)
     expected, live_compiles = _compiles_while(lambda: _tokens(live))
     assert live_compiles > 0 and served == expected
@@ -93,6 +93,6 @@ def test_stored_executables_load_without_compiling(artifact, params, tmp_path):
     assert fallback.runner.num_compiles == compiled == 4, "a step compiled after precompile"
     stored = LLM(str(add_executables(other, tmp_path / "stored", fallback.runner)),
                  compilation_cache=False, params=params)  # fmt: skip
-    assert stored.runner.loaded_executables == 4
+    assert stored.runner.loaded_executables == 5
     again, compiles = _compiles_while(lambda: _tokens(stored))
     assert compiles == 0 and again == expected

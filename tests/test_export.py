@@ -209,8 +209,9 @@ def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):
     ]
     for entry in manifest["buckets"]:
         decode = entry["num_decode"] == entry["num_rows"]
-        # A decode bucket also holds its sort-free sampler program, a mixed one does not.
-        assert sorted(entry.get("variants", {})) == (["plain"] if decode else [])
+        # A decode bucket also holds its sort-free and argmax-only sampler programs, a mixed
+        # one does not.
+        assert sorted(entry.get("variants", {})) == (["greedy", "plain"] if decode else [])
         for platform in ("cuda", "tpu"):
             for sampler, node in programs(entry):
                 blob = (out / node["files"][platform]["path"]).read_bytes()
@@ -245,7 +246,8 @@ def test_no_sampler_variants_exports_one_program_a_bucket(tmp_path):
     llm = LLM(str(out), compilation_cache=False)
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
-    assert llm.runner.variant_steps["full"] == 3 and llm.runner.variant_steps["plain"] == 0
+    steps = llm.runner.variant_steps
+    assert steps["full"] == 3 and steps["plain"] == steps["greedy"] == 0
 
 
 _WARM_CACHE_SCRIPT = """

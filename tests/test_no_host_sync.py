@@ -11,7 +11,7 @@ import pytest
 
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
-from jaxmamba.engine.runner import FULL, PLAIN
+from jaxmamba.engine.runner import FULL, GREEDY, PLAIN
 from jaxmamba.model.params import init_params
 
 from model_helpers import builder, make_runner, row
@@ -72,37 +72,48 @@ def test_prefill_step_has_no_device_branch(runner):
     assert "cond" not in step_primitives(runner, Bucket(32, 4, 2))
 
 
-def test_plain_sampler_variant_has_no_sort_and_no_branch(runner):
+def test_sampler_variants_leave_out_what_they_say_and_do_not_branch(runner):
     """The decode step's PLAIN sampler leaves out the sort (the cut-off) and the top-k (top
-    logprobs); the FULL one has both. Neither branches on the device."""
+    logprobs); the FULL one has both; GREEDY also leaves out the random draw. None branches on
+    the device."""
     full = step_primitives(runner, Bucket(4, 4, 4))
     plain = step_primitives(runner, Bucket(4, 4, 4), sampler=PLAIN)
+    greedy = step_primitives(runner, Bucket(4, 4, 4), sampler=GREEDY)
     assert {"sort", "top_k"} <= full
     assert not {"sort", "top_k", "cond", "switch"} & plain
+    assert "random_bits" in plain
+    assert not {"sort", "top_k", "cond", "switch", "random_bits"} & greedy
 
 
-# (row parameters of a decode step, does a row read the top logprobs) -> the variant chosen
+# (row parameters of a decode step, does a row read the top logprobs, the ranks) -> the
+# variant chosen
 VARIANT_CASES = [
-    ([{}, {}, {}], False, PLAIN),  # greedy
-    ([dict(temperature=1.0), dict(temperature=0.5, seed=3)], False, PLAIN),  # unfiltered draws
-    ([dict(top_k=5, top_p=0.5, min_p=0.2)], False, PLAIN),  # filters on a greedy row do nothing
-    ([dict(temperature=0.7, top_k=1000)], False, PLAIN),  # top_k >= vocab keeps everything
+    ([{}, {}, {}], False, False, GREEDY),  # greedy, no logprobs asked
+    ([{}, {}, {}], False, True, PLAIN),  # greedy, a row asks for logprobs=0
+    ([dict(top_k=5, top_p=0.5, min_p=0.2), dict(logit_bias={3: 2.0}, min_tokens=2,
+      stop_ids=(1,))], False, False, GREEDY),  # filters on greedy rows do nothing; bias stays
+    ([{}, dict(repetition_penalty=1.2)], False, False, PLAIN),  # a penalty: PLAIN applies it
+    ([dict(presence_penalty=-0.5)], False, False, PLAIN),
+    ([dict(temperature=1.0), dict(temperature=0.5, seed=3)], False, False, PLAIN),  # draws
+    ([dict(top_k=5, top_p=0.5, min_p=0.2)], False, True, PLAIN),
+    ([dict(temperature=0.7, top_k=1000)], False, True, PLAIN),  # top_k >= vocab keeps all
     ([dict(frequency_penalty=0.5, logit_bias={3: 2.0}, min_tokens=2, stop_ids=(1,))], False,
-     PLAIN),
-    ([{}, dict(temperature=0.7, top_k=5)], False, FULL),  # one filtered row: the whole step
-    ([{}, dict(temperature=0.7, top_p=0.9)], False, FULL),
-    ([dict(temperature=0.7, min_p=0.1), {}], False, FULL),
-    ([{}, {}], True, FULL),  # a row reads the top logprobs
+     True, PLAIN),
+    ([{}, dict(temperature=0.7, top_k=5)], False, False, FULL),  # one filtered row: the step
+    ([{}, dict(temperature=0.7, top_p=0.9)], False, True, FULL),
+    ([dict(temperature=0.7, min_p=0.1), {}], False, True, FULL),
+    ([{}, {}], True, True, FULL),  # a row reads the top logprobs
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("params, asks, expected", VARIANT_CASES)
-def test_decode_steps_take_the_plain_sampler_only_if_no_row_needs_the_full(runner, params, asks,
-                                                                           expected):  # fmt: skip
+@pytest.mark.parametrize("params, asks, ranks, expected", VARIANT_CASES)
+def test_decode_steps_take_the_cheapest_sampler_no_row_needs_more_than(
+    runner, params, asks, ranks, expected
+):
     assert runner.cfg.vocab_size <= 1000
     rows = [row([1], 5, slot=i, **kw) for i, kw in enumerate(params)]
     inputs = builder(runner).build(rows, Bucket(4, 4, 4))
-    assert runner.sampler_variant(inputs, 4, top_logprobs=asks) == expected
+    assert runner.sampler_variant(inputs, 4, top_logprobs=asks, ranks=ranks) == expected
 
 
 def test_steps_with_prefill_rows_take_the_full_sampler(runner):
@@ -117,13 +128,15 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
     vocab = runner.cfg.vocab_size
     prefill_bucket, decode_bucket = Bucket(64, 4, 0), Bucket(4, 4, 4)
 
-    def run(rows, bucket):
+    def run(rows, bucket, ranks=True):
         with jax.transfer_guard("disallow"):
-            packed = runner.step(bld.build(rows, bucket), bucket.num_decode, top_logprobs=False)
+            packed = runner.step(bld.build(rows, bucket), bucket.num_decode, top_logprobs=False,
+                                 ranks=ranks)  # fmt: skip
             return jax.device_get(packed)  # explicit: the one read per step
 
     run(prefill_rows(rng, [20, 7, 1, 30], vocab), prefill_bucket)
     run([row([1], 20, slot=0)], decode_bucket)  # the PLAIN sampler
+    run([row([1], 20, slot=0)], decode_bucket, ranks=False)  # the GREEDY one
     run([row([1], 20, slot=0, temperature=1.0, top_k=3)], decode_bucket)  # the FULL one
     warm = runner.num_compiles
     steps = dict(runner.variant_steps)
@@ -142,8 +155,12 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
             for i in range(n)
         ]
         run(rows, decode_bucket)
-        # Without the filtered mix: the PLAIN sampler.
+        # Without the filtered mix: the PLAIN sampler; greedy rows alone asking no logprobs:
+        # the GREEDY one.
         run([r for r in rows if r.top_k == 0], decode_bucket)
+        run([row([int(rng.integers(vocab))], 40, slot=i) for i in range(n)], decode_bucket,
+            ranks=False)  # fmt: skip
     assert runner.num_compiles == warm
+    assert runner.variant_steps[GREEDY] - steps[GREEDY] == 3
     assert runner.variant_steps[PLAIN] - steps[PLAIN] == 3
     assert runner.variant_steps[FULL] - steps[FULL] == 4 + 3  # the prefill steps, the mixes

@@ -194,13 +194,27 @@ def test_sort_free_sampler_gives_the_full_samplers_tokens_logprobs_and_ranks():
         jnp.asarray(rng.integers(0, 6, rows), jnp.int32), jnp.asarray(stop),
         jnp.asarray(bias_ids), jnp.asarray(bias_values, jnp.float32), penalties,
     )  # fmt: skip
-    jitted = jax.jit(sample, static_argnames=("cutoff", "top_logprobs"))
+    jitted = jax.jit(sample, static_argnames=("cutoff", "top_logprobs", "draw", "ranks"))
     full = jitted(*args)
     plain = jitted(*args, cutoff=False, top_logprobs=False)
     for name in ("tokens", "logprobs", "ranks"):
         np.testing.assert_array_equal(np.asarray(getattr(plain, name)),
                                       np.asarray(getattr(full, name)), err_msg=name)  # fmt: skip
     assert len(set(np.asarray(full.tokens[drawing]).tolist())) > 10  # the draws are draws
+
+    # The argmax-only program (GREEDY: greedy rows, no penalties, no ranks read) on the greedy
+    # rows, their penalties off: the full program's tokens and logprobs.
+    greedy_args = list(args)
+    greedy_args[1] = jnp.zeros(rows, jnp.float32)
+    off = Penalties(penalties.prompt_mask, penalties.output_counts, jnp.zeros(rows),
+                    jnp.zeros(rows), jnp.ones(rows))  # fmt: skip
+    full = jitted(*greedy_args[:-1], off)
+    argmax_only = jitted(*greedy_args[:-1], None, cutoff=False, top_logprobs=False, draw=False,
+                         ranks=False)  # fmt: skip
+    for name in ("tokens", "logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(argmax_only, name)),
+                                      np.asarray(getattr(full, name)), err_msg=name)  # fmt: skip
+    assert not np.any(np.asarray(argmax_only.ranks))  # not computed: zeros
 
 
 def padded(values, size, fill, dtype):
@@ -324,9 +338,10 @@ def test_greedy_with_penalties_matches_hf_forward_and_processor(hf_checkpoint):
 def test_engine_takes_the_sort_free_sampler_only_when_no_request_needs_the_full_one(
     hf_checkpoint,
 ):
-    """Decode steps of greedy requests that ask no top logprobs run the sort-free sampler and
-    give the full one's tokens and logprobs; a request with logprobs >= 1, or one that draws
-    through top-p, puts every decode step it is in on the full sampler."""
+    """Decode steps of greedy requests that ask no logprobs run the argmax-only sampler, with
+    logprobs=0 (ranks read) the sort-free one, and both give the full one's tokens and
+    logprobs; a request with logprobs >= 1, or one that draws through top-p, puts every decode
+    step it is in on the full sampler."""
     llm, _ = hf_checkpoint
     steps = llm.engine.runner.variant_steps
     prompts = random_prompts(np.random.default_rng(6), [7, 19], llm.model_cfg.vocab_size)
@@ -335,20 +350,27 @@ def test_engine_takes_the_sort_free_sampler_only_when_no_request_needs_the_full_
     def generate(params):
         before = dict(steps)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        return outs, {k: steps[k] - before.get(k, 0) for k in ("plain", "full")}
+        return outs, {k: steps[k] - before.get(k, 0) for k in ("greedy", "plain", "full")}
 
-    plain, ran = generate(SamplingParams(**kw))
-    assert ran["plain"] > 0
+    greedy, ran = generate(SamplingParams(**kw))
+    assert ran["greedy"] > 0 and ran["plain"] == 0
+    plain, ran = generate(SamplingParams(logprobs=0, **kw))
+    assert ran["plain"] > 0 and ran["greedy"] == 0
     full, ran = generate(SamplingParams(logprobs=2, **kw))
-    assert ran["plain"] == 0 and ran["full"] > 0
-    for a, b in zip(plain, full, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        np.testing.assert_allclose(a.outputs[0].cumulative_logprob,
-                                   b.outputs[0].cumulative_logprob, rtol=1e-6)  # fmt: skip
+    assert ran["plain"] == ran["greedy"] == 0 and ran["full"] > 0
+    for a, b, c in zip(greedy, plain, full, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        for x in (a, b):
+            np.testing.assert_allclose(x.outputs[0].cumulative_logprob,
+                                       c.outputs[0].cumulative_logprob, rtol=1e-6)  # fmt: skip
+        for top_b, top_c in zip(b.outputs[0].logprobs, c.outputs[0].logprobs, strict=True):
+            ((token, lp),) = top_b.items()  # logprobs=0: the sampled token alone
+            assert lp.rank == top_c[token].rank and lp.logprob == top_c[token].logprob
+    for b in full:
         for token, top in zip(b.outputs[0].token_ids, b.outputs[0].logprobs, strict=True):
             ranked = sorted(top.items(), key=lambda kv: kv[1].rank)
             assert len(top) == 2 and ranked[0][0] == token  # greedy: the sampled token leads
             assert ranked[0][1].logprob >= ranked[1][1].logprob
     drawn = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
     _, ran = generate([SamplingParams(**kw), drawn])
-    assert ran["plain"] == 0
+    assert ran["plain"] == ran["greedy"] == 0

@@ -262,10 +262,13 @@ class LLMEngine:
 
     def _step(self, scheduled: ScheduledStep, inputs) -> jax.Array:
         """Dispatch on the runner, telling it whether some row reads the top logprobs
-        (logprobs >= 1): a decode step that needs neither them nor a cut-off may run the
-        sampler without either (`jaxmamba.engine.runner.choose_sampler`)."""
-        asks = any(row.request.params.logprobs for row in scheduled.rows)
-        return self.runner.step(inputs, scheduled.bucket.num_decode, top_logprobs=asks)
+        (logprobs >= 1) or the ranks (logprobs set at all): a decode step that needs neither
+        them nor a cut-off may run a sampler without them
+        (`jaxmamba.engine.runner.choose_sampler`)."""
+        asked = [row.request.params.logprobs for row in scheduled.rows]
+        return self.runner.step(inputs, scheduled.bucket.num_decode,
+                                top_logprobs=any(asked),
+                                ranks=any(k is not None for k in asked))  # fmt: skip
 
     def _count(self, step: ScheduledStep) -> None:
         st = self.stats

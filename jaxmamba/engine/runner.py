@@ -4,11 +4,13 @@ It owns the parameters and the cache, and runs one jitted step per call:
 `step(params, cache, slot_state, inputs) -> (packed sample output, cache, slot_state)`,
 donating the cache and the per-slot sampler state (`SlotState`). The
 static shape of a step is its bucket `(num_tokens, num_rows, num_decode)`; each bucket
-compiles once, and each decode bucket a second time as its `PLAIN` sampler variant: the
-sampler without the sort for top-k/top-p/min-p and without the top logprobs, which the host
-chooses when no row of the step needs them (`ModelRunner.sampler_variant`; a device branch
-instead cost ~5 ms a step, docs/benchmarks.md). Both programs give the same tokens, logprobs
-and ranks. `JAXMAMBA_SAMPLER_VARIANTS=0` turns the variant off (one program a bucket).
+compiles once, and each decode bucket twice more as its sampler variants: `PLAIN`, the
+sampler without the sort for top-k/top-p/min-p and without the top logprobs, and `GREEDY`, the
+argmax alone (no random draw, penalties or ranks), which the host chooses when no row of the
+step needs what they leave out (`ModelRunner.sampler_variant`; a device branch instead cost
+~5 ms a step, docs/benchmarks.md). Each gives the tokens, logprobs and ranks the full program
+gives for the rows it runs. `JAXMAMBA_SAMPLER_VARIANTS=0` turns the variants off (one program
+a bucket).
 """
 
 from __future__ import annotations
@@ -104,32 +106,62 @@ TRACE_COUNTS: Counter = Counter()
 
 # The sampler variants of a step (its static `sampler` argument): FULL samples any mix of
 # parameters and returns the top logprobs; PLAIN has neither the cut-off's sort nor the top
-# logprobs (zeros), for a decode step where no row filters or asks for them.
-FULL, PLAIN = "full", "plain"
+# logprobs (zeros), for a decode step where no row filters or asks for them; GREEDY is the
+# argmax of the biased logits and the token's logprob, for a decode step of greedy rows
+# without penalties where no row asks for logprobs (ranks and top logprobs are zeros) — vLLM's
+# all-greedy path. At batch 256 on the 9B model PLAIN's draw, penalties and ranks cost ~0.3 ms
+# a step (docs/benchmarks.md, issue 17).
+FULL, PLAIN, GREEDY = "full", "plain", "greedy"
 
 
 def variants_enabled() -> bool:
-    """Whether steps may run the PLAIN variant (`JAXMAMBA_SAMPLER_VARIANTS=0`: never)."""
+    """Whether steps may run the PLAIN and GREEDY variants (`JAXMAMBA_SAMPLER_VARIANTS=0`:
+    never)."""
     return os.environ.get("JAXMAMBA_SAMPLER_VARIANTS", "1") != "0"
 
 
 def bucket_samplers(num_rows: int, num_decode: int) -> tuple[str, ...]:
-    """The sampler programs of a bucket: a pure decode bucket has the PLAIN variant too (a
-    mixed step pays the sort beside a prefill that costs far more)."""
-    return (FULL, PLAIN) if num_decode == num_rows else (FULL,)
+    """The sampler programs of a bucket: a pure decode bucket has the PLAIN and GREEDY variants
+    too (a mixed step pays the full sampler beside a prefill that costs far more)."""
+    return (FULL, PLAIN, GREEDY) if num_decode == num_rows else (FULL,)
 
 
-def choose_sampler(inputs: StepInputs, num_decode: int, top_logprobs: bool, vocab: int) -> str:
-    """PLAIN for a pure decode step whose rows need neither the cut-off nor the top logprobs
-    (`top_logprobs`: some row asks for them), read from the host inputs; else FULL. Inputs
-    already on the device count as needing everything (no read back)."""
+def choose_sampler(inputs: StepInputs, num_decode: int, top_logprobs: bool, vocab: int, *,
+                   ranks: bool = True) -> str:  # fmt: skip
+    """The cheapest sampler program that serves a step, read from the host inputs: for a pure
+    decode step, GREEDY if every row is greedy without penalties and none reads ranks
+    (`ranks`: some row asks for logprobs), else PLAIN if no row needs the cut-off or the top
+    logprobs (`top_logprobs`: some row asks for them); else FULL. Inputs already on the device
+    count as needing everything (no read back)."""
     rows = np.shape(inputs.state_slots)[0]
     if top_logprobs or num_decode != rows:
         return FULL
-    arrays = (inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p)
+    arrays = (
+        inputs.temperature,
+        inputs.top_k,
+        inputs.top_p,
+        inputs.min_p,
+        inputs.presence_penalty,
+        inputs.frequency_penalty,
+        inputs.repetition_penalty,
+    )
     if not all(isinstance(a, np.ndarray) for a in arrays):
         return FULL
-    return FULL if needs_cutoff(*arrays, vocab) else PLAIN
+    temperature, top_k, top_p, min_p, presence, frequency, repetition = arrays
+    penalised = np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
+    if not ranks and not penalised and not np.any(temperature > 0):
+        return GREEDY
+    return FULL if needs_cutoff(temperature, top_k, top_p, min_p, vocab) else PLAIN
+
+
+def fallback_sampler(sampler: str, held) -> str:
+    """``sampler``, or the next dearer program in ``held`` that serves the same rows (an
+    artifact exported without a variant)."""
+    order = (GREEDY, PLAIN, FULL)
+    for candidate in order[order.index(sampler) :]:
+        if candidate in held:
+            return candidate
+    return FULL
 
 
 def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
@@ -163,15 +195,18 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
             seen.prompt_mask.at[dst].set(seen.prompt_mask[src]),
             seen.output_counts.at[dst].set(seen.output_counts[src]),
         )
-    penalties = Penalties(
-        seen.prompt_mask[slots], seen.output_counts[slots], inputs.presence_penalty,
-        inputs.frequency_penalty, inputs.repetition_penalty,
-    )  # fmt: skip
+    penalties = None
+    if sampler != GREEDY:  # the [B, V] gathers: GREEDY steps have no penalised row
+        penalties = Penalties(
+            seen.prompt_mask[slots], seen.output_counts[slots], inputs.presence_penalty,
+            inputs.frequency_penalty, inputs.repetition_penalty,
+        )  # fmt: skip
     out = sample(
         logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
         inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
         inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
-        cutoff=sampler == FULL, top_logprobs=sampler == FULL,
+        cutoff=sampler == FULL, top_logprobs=sampler == FULL, draw=sampler != GREEDY,
+        ranks=sampler != GREEDY,
     )  # fmt: skip
     last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
     packed = pack_sample_output(out)
@@ -292,7 +327,7 @@ class ModelRunner:
             self._static = dict(model=self.model, spec=cache_spec, mesh_plan=mesh_plan)
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
         self.slot_state = slot_state
-        # The PLAIN sampler variant of decode steps (the sharded step has the full one only).
+        # The sampler variants of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler variant
 
@@ -315,17 +350,21 @@ class ModelRunner:
             )  # fmt: skip
         return logits
 
-    def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool) -> str:
+    def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool, *,
+                        ranks: bool = True) -> str:  # fmt: skip
         """The sampler program `step` runs for these inputs (`choose_sampler`)."""
         if not self.sampler_variants:
             return FULL
-        return choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size)
+        return choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
+                              ranks=ranks)  # fmt: skip
 
-    def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True) -> jax.Array:
+    def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True,
+             ranks: bool = True) -> jax.Array:  # fmt: skip
         """Dispatch one step; returns the packed device output without waiting for it.
-        `top_logprobs=False`: no row reads the top logprobs (they may come back as zeros),
-        which lets a decode step run the PLAIN sampler."""
-        sampler = self.sampler_variant(inputs, num_decode, top_logprobs)
+        `top_logprobs=False`: no row reads the top logprobs, `ranks=False`: no row reads the
+        ranks (no row asks for logprobs); what no row reads may come back as zeros, which lets
+        a decode step run a sampler variant."""
+        sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
         self.variant_steps[sampler] += 1
         kwargs = {} if sampler == FULL else {"sampler": sampler}
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
@@ -346,15 +385,14 @@ class ModelRunner:
 
     def programs(self, buckets) -> list[tuple]:
         """`(bucket, sampler)` of every program `step` can run for these buckets."""
-        out = [(b, FULL) for b in buckets]
-        if self.sampler_variants:
-            out += [(b, PLAIN) for b in buckets
-                    if PLAIN in bucket_samplers(b.num_rows, b.num_decode)]  # fmt: skip
-        return out
+        if not self.sampler_variants:
+            return [(b, FULL) for b in buckets]
+        return [(b, sampler) for sampler in (FULL, PLAIN, GREEDY) for b in buckets
+                if sampler in bucket_samplers(b.num_rows, b.num_decode)]  # fmt: skip
 
     def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:
-        """Compile the step of every bucket (and the PLAIN sampler variant of each decode
-        bucket, `programs`), then run each once on padding only. The programs are traced,
+        """Compile the step of every bucket (and the sampler variants of each decode bucket,
+        `programs`), then run each once on padding only. The programs are traced,
         lowered and compiled in `workers` threads (default: one per core, at most 8): XLA's
         compiles release the GIL, so they overlap (tracing does not)."""
         from concurrent.futures import ThreadPoolExecutor
@@ -374,7 +412,8 @@ class ModelRunner:
                     progress(i + 1, len(programs), programs[i][0])
         host = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
         for (bucket, sampler), x in zip(programs, host, strict=True):
-            jax.block_until_ready(self.step(x, bucket.num_decode, top_logprobs=sampler == FULL))
+            wants = dict(top_logprobs=sampler == FULL, ranks=sampler != GREEDY)
+            jax.block_until_ready(self.step(x, bucket.num_decode, **wants))
 
 
 def step_temporary_bytes(

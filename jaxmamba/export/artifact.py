@@ -4,8 +4,9 @@
                                  every bucket's input/output shapes, dtypes and shardings,
                                  and the sha256 of every file below
     DIR/steps/<platform>/<T>x<B>x<D>.jaxexport   the serialized `jax.export` step of a bucket
-    DIR/steps/<platform>/<T>x<B>x<D>.plain.jaxexport   a decode bucket's PLAIN sampler program
-                                 (the same signature; listed under the entry's "variants")
+    DIR/steps/<platform>/<T>x<B>x<D>.plain.jaxexport   a decode bucket's PLAIN and GREEDY
+    DIR/steps/<platform>/<T>x<B>x<D>.greedy.jaxexport  sampler programs (the same signature;
+                                 listed under the entry's "variants")
     DIR/steps/<platform>/*.executable   with --executables: those steps compiled for a device
     DIR/weights/                 the params as an Orbax checkpoint (absent with --no-weights)
     DIR/tokenizer/               the model's tokenizer files, if it has any

@@ -119,8 +119,9 @@ def add_parsers(sub, add_model_args, add_engine_args) -> None:
         dest="sampler_variants",
         action="store_const",
         const=False,
-        help="export one program a bucket: without the sort-free sampler program of each "
-        "decode bucket (greedy and plain-temperature decode steps then pay the sampler's sort)",
+        help="export one program a bucket: without the sort-free and argmax-only sampler "
+        "programs of each decode bucket (greedy and plain-temperature decode steps then pay "
+        "the full sampler)",
     )
     exp.set_defaults(func=cmd_export)
     add_more_parsers(sub, add_model_args, add_engine_args)

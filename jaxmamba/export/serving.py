@@ -20,7 +20,13 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.config import EngineConfig
-from jaxmamba.engine.runner import FULL, choose_sampler, variants_enabled
+from jaxmamba.engine.runner import (
+    FULL,
+    GREEDY,
+    choose_sampler,
+    fallback_sampler,
+    variants_enabled,
+)
 from jaxmamba.export.artifact import Artifact, ArtifactError, programs, read_artifact
 from jaxmamba.model.cache import CacheSpec
 
@@ -60,7 +66,7 @@ class ArtifactRunner:
     """`ModelRunner`'s interface (`cfg`, `cache_spec`, `dtype`, `step`, `programs`,
     `precompile`, `num_compiles`) on an artifact's exported steps. `params`: the flat weight
     leaves in the exported order (from the artifact's Orbax checkpoint, or given). A decode
-    bucket exported with its PLAIN sampler program runs it when `ModelRunner` would."""
+    bucket exported with its sampler variants runs them when `ModelRunner` would."""
 
     def __init__(self, artifact: Artifact, params=None, *, platform: str | None = None,
                  weights: str | os.PathLike | None = None):  # fmt: skip
@@ -227,17 +233,21 @@ class ArtifactRunner:
         return [(b, sampler) for b in buckets
                 for sampler in self._samplers[b.num_tokens, b.num_rows, b.num_decode]]  # fmt: skip
 
-    def sampler_variant(self, inputs, num_decode: int, top_logprobs: bool) -> str:
+    def sampler_variant(self, inputs, num_decode: int, top_logprobs: bool, *,
+                        ranks: bool = True) -> str:  # fmt: skip
         """The sampler program `step` runs for these inputs: `ModelRunner`'s choice
-        (`choose_sampler`) where the artifact holds that program, else the full one."""
+        (`choose_sampler`) where the artifact holds that program, else the next dearer one it
+        holds (`fallback_sampler`)."""
         held = self._samplers.get(_step_key(inputs, num_decode), ())  # none: `_step` says so
-        sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size)
-        return sampler if sampler in held else FULL
+        sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
+                                 ranks=ranks)  # fmt: skip
+        return fallback_sampler(sampler, held)
 
-    def step(self, inputs, num_decode: int, *, top_logprobs: bool = True) -> jax.Array:
+    def step(self, inputs, num_decode: int, *, top_logprobs: bool = True,
+             ranks: bool = True) -> jax.Array:  # fmt: skip
         """Dispatch one step; returns the packed device output without waiting for it.
-        `top_logprobs=False`: no row reads the top logprobs, as in `ModelRunner.step`."""
-        sampler = self.sampler_variant(inputs, num_decode, top_logprobs)
+        `top_logprobs=False` / `ranks=False`: no row reads them, as in `ModelRunner.step`."""
+        sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
         fn = self._step(_step_key(inputs, num_decode), sampler)
         self.variant_steps[sampler] += 1
         # The host arrays go in as they are: the executable's C++ dispatch moves them
@@ -270,7 +280,8 @@ class ArtifactRunner:
                 if progress is not None:
                     progress(i + 1, len(progs), progs[i][0])
         for (bucket, sampler), x in zip(progs, inputs, strict=True):
-            jax.block_until_ready(self.step(x, bucket.num_decode, top_logprobs=sampler == FULL))
+            wants = dict(top_logprobs=sampler == FULL, ranks=sampler != GREEDY)
+            jax.block_until_ready(self.step(x, bucket.num_decode, **wants))
 
     def forward_logits(self, inputs, num_decode: int):
         raise NotImplementedError("an exported artifact holds the sampling step only")

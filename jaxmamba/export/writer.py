@@ -163,7 +163,7 @@ def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
 def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, impl=None,
                 sampler: str = "full"):  # fmt: skip
     """`jax.export` of one bucket's step for `platform` (flat leaves in and out), with the
-    `sampler` program (`jaxmamba.engine.runner.FULL` or `PLAIN`)."""
+    `sampler` program (`jaxmamba.engine.runner.FULL`, `PLAIN` or `GREEDY`)."""
     from jaxmamba.model.model import Mamba2HybridLM
 
     model = Mamba2HybridLM(cfg, dtype, impl or PLATFORM_IMPLS[platform])
@@ -271,9 +271,9 @@ def export_artifact(
     `platforms`): a process on the same device kind and jaxlib loads it without compiling.
     `workers > 1` traces and lowers the steps in that many processes. `sampler_variants`
     (default: unless `JAXMAMBA_SAMPLER_VARIANTS=0`) also exports each pure decode bucket's
-    sort-free PLAIN sampler program, which serving runs when no row of a decode step filters
-    or asks for top logprobs (`jaxmamba.engine.runner`); False (`--no-sampler-variants`)
-    exports one program a bucket."""
+    sort-free PLAIN and argmax-only GREEDY sampler programs, which serving runs when no row of
+    a decode step needs what they leave out (`jaxmamba.engine.runner.choose_sampler`); False
+    (`--no-sampler-variants`) exports one program a bucket."""
     from jaxmamba.config import checkpoint_dir
     from jaxmamba.engine.runner import FULL, bucket_samplers, variants_enabled
     from jaxmamba.engine.scheduler import Scheduler

@@ -67,7 +67,10 @@ def _aligned(start, *parts: int):
 
 
 def _store_tracked(target, pad_slot: int, store) -> None:
-    """``store(target)`` when the row checkpoints this step (its target is not the pad slot)."""
+    """``store(target)`` when the row checkpoints this step (its target is not the pad slot);
+    ``target`` None: the step has no checkpoints (no code for them)."""
+    if target is None:
+        return
 
     @pl.when(target != pad_slot)
     def _():
@@ -91,14 +94,14 @@ def track_targets_by_row(
 
 
 def _conv_kernel(
-    lay: DecodeLayout, k: int, bd: int, act, has_bias: bool, pad_slot: int,
+    lay: DecodeLayout, k: int, bd: int, act, has_bias: bool, pad_slot: int, tracking: bool,
     slots_ref, track_ref, state_ref, zx_ref, w_ref, *rest,
 ):  # fmt: skip
     bias_ref, y_ref, state_out_ref = rest if has_bias else (None, *rest)
     row = pl.program_id(0)
     d0 = pl.program_id(1) * bd
     d = pl.ds(pl.multiple_of(d0, bd), bd)
-    slot, target = slots_ref[row], track_ref[row]
+    slot, target = slots_ref[row], track_ref[row] if tracking else None
     x = zx_ref[row, pl.ds(_aligned(lay.xbc_col + d0, lay.xbc_col, bd), bd)]
     window = [state_ref[slot, tap, d] for tap in range(k - 1)] + [x.astype(state_ref.dtype)]
     acc = jnp.zeros((bd,), _F32)
@@ -126,6 +129,7 @@ class _StateOptions:
     dt_softplus: bool
     dt_limit: tuple[float, float]
     pad_slot: int
+    tracking: bool
 
 
 def _state_kernel(
@@ -138,7 +142,7 @@ def _state_kernel(
     y_ref, state_out_ref = rest
     pblk, head, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     p_dim, n_dim = lay.head_dim, lay.state_size
-    slot, target = slots_ref[row], track_ref[row]
+    slot, target = slots_ref[row], track_ref[row] if opts.tracking else None
     group = jax.lax.div(head, lay.num_heads // lay.num_groups)
     p_starts = [(pblk * tiles + i) * bp for i in range(tiles)]
     ps = [pl.ds(pl.multiple_of(p0, bp), bp) for p0 in p_starts]
@@ -201,10 +205,11 @@ def mamba2_decode_gpu(
     bs = block_sizes or GpuBlockSizes.get_default(rows)
     slots = slots.astype(jnp.int32)
     pad_slot = conv_state.shape[0] - 1
+    tracking = track_by_row is not None or track_src is not None
     if track_by_row is None:
         track_by_row = (
-            jnp.full((rows,), pad_slot, jnp.int32) if track_src is None
-            else track_targets_by_row(slots, track_src, track_dst, pad_slot)
+            track_targets_by_row(slots, track_src, track_dst, pad_slot) if tracking
+            else slots  # not read: the kernels are built without the checkpoint stores
         )  # fmt: skip
     tracks = (slots, track_by_row.astype(jnp.int32))
 
@@ -215,7 +220,7 @@ def mamba2_decode_gpu(
     approx = jnp.dtype(zxbcdt.dtype) == jnp.bfloat16
     act = functools.partial(conv_silu, approx=approx, interpret=interpret)
     xbc, conv_state = pallas_call(
-        functools.partial(_conv_kernel, lay, k, bd, act, conv_bias is not None, pad_slot),
+        functools.partial(_conv_kernel, lay, k, bd, act, conv_bias is not None, pad_slot, tracking),
         grid=(rows, dim // bd),
         out_shape=[
             jax.ShapeDtypeStruct((rows, dim), zxbcdt.dtype),
@@ -234,7 +239,7 @@ def mamba2_decode_gpu(
     tiles = largest_divisor(lay.head_dim // bp, sb.tiles)
     bn = pow2_divisor(lay.state_size, sb.state)
     opts = _StateOptions(D is not None, dt_bias is not None, dt_softplus, tuple(dt_limit),
-                         pad_slot)  # fmt: skip
+                         pad_slot, tracking)  # fmt: skip
     optional = [v for v in (D, dt_bias) if v is not None]
     y, ssm_state = pallas_call(
         functools.partial(_state_kernel, lay, opts, bp, tiles, bn),
