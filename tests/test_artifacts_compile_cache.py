@@ -57,8 +57,8 @@ def test_second_process_loads_every_bucket_from_the_cache(tmp_path):
     cache = tmp_path / "xla"
     cold, stderr = _run(cache)
     assert f"XLA compilation cache at {cache}" in stderr
-    # One decode bucket: its step and its sort-free sampler variant (`ModelRunner.programs`).
-    assert cold["buckets"] == 1 and cold["programs"] == 2
+    # One decode bucket: its step and its two sampler variants (`ModelRunner.programs`).
+    assert cold["buckets"] == 1 and cold["programs"] == 3
     assert cold["traces"] == cold["programs"]
     assert cold["hits"] == 0 and cold["misses"] >= cold["programs"]
     entries = sorted(p.name for p in cache.iterdir())

@@ -50,15 +50,22 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
-    """The two kernels' tiles: the conv update's and the state update's, with those ops'
-    defaults (the state kernel's depend on the batch)."""
+    """The two kernels' tiles: the conv update's and the state update's."""
 
     conv: UpdateGpuBlockSizes = UpdateGpuBlockSizes()
     state: StateGpuBlockSizes = StateGpuBlockSizes()
 
     @classmethod
     def get_default(cls, rows: int) -> GpuBlockSizes:
-        return cls(UpdateGpuBlockSizes.get_default(), StateGpuBlockSizes.get_default(rows))
+        """Up to 32 rows the two ops' defaults; above, 1024-channel conv programs (a program
+        also loads the row's checkpoint target, and 256-channel ones spent 13 µs of a 9B
+        layer at batch 256 on it) and half-width state tiles on 2 warps: each alone took a 9B layer at batch 256 from 730 to
+        718 and 715 µs (``python3 scripts/bench_mamba_decode.py --sweep`` on the H200,
+        docs/benchmarks.md)."""
+        if rows <= 32:
+            return cls(UpdateGpuBlockSizes.get_default(), StateGpuBlockSizes.get_default(rows))
+        return cls(UpdateGpuBlockSizes(channels=1024, num_warps=4),
+                   StateGpuBlockSizes(tiles=1, state=64, num_warps=2))  # fmt: skip
 
 
 def _aligned(start, *parts: int):
