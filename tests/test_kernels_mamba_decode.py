@@ -111,6 +111,7 @@ CASES = [
     # rows, heads, head_dim, groups, state, conv width, dtype, optional inputs, tracks, tiles
     (5, 4, 80, 2, 16, 4, jnp.bfloat16, True, True, None),  # the defaults: 5 P tiles a program
     (5, 6, 12, 3, 8, 4, jnp.float32, False, True, SMALL),
+    (34, 2, 8, 1, 16, 4, jnp.float32, True, True, None),  # > 32 rows: wide conv, N/2 tiles
 ]
 
 
