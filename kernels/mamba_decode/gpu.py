@@ -59,9 +59,9 @@ class GpuBlockSizes:
     def get_default(cls, rows: int) -> GpuBlockSizes:
         """Up to 32 rows the two ops' defaults; above, 1024-channel conv programs (a program
         also loads the row's checkpoint target, and 256-channel ones spent 13 µs of a 9B
-        layer at batch 256 on it) and half-width state tiles on 2 warps: each alone took a 9B layer at batch 256 from 730 to
-        718 and 715 µs (``python3 scripts/bench_mamba_decode.py --sweep`` on the H200,
-        docs/benchmarks.md)."""
+        layer at batch 256 on it) and half-width state tiles on 2 warps: each alone took that
+        layer from 730 to 718 and 715 µs (``python3 scripts/bench_mamba_decode.py --sweep``
+        on the H200, docs/benchmarks.md)."""
         if rows <= 32:
             return cls(UpdateGpuBlockSizes.get_default(), StateGpuBlockSizes.get_default(rows))
         return cls(UpdateGpuBlockSizes(channels=1024, num_warps=4),
