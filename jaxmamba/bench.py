@@ -141,18 +141,23 @@ def bench_one_batch(
     log=print,
     time_full_sampler: bool = False,
     time_plain_sampler: bool = False,
+    prefill_steps: int = 1,
 ) -> list[BenchResult]:
     """Time the phases asked for. A decode-only run fills the cache with prefills of at most
     ``max_setup_tokens`` tokens (whole rows per step, one bucket), so a large batch at a long
     context does not need one giant prefill; with ``fill_cache=False`` it fills the cache with
     random values instead (the same kernels over the same lengths, so the same work, and rows
     that differ, so MoE rows route apart, without the set-up prefills' compiles). The timed
-    prefill is always one step. With ``trace_dir``, each timed phase runs once more under the
-    JAX profiler, into ``trace_dir/<phase>``. Decode rows are greedy without penalties and ask
-    no logprobs, so the step runs the runner's cheapest sampler program (the argmax alone,
-    where it has the variants); ``time_full_sampler`` also times the same steps with the full
-    sampler (``decode-full``), ``time_plain_sampler`` with the sort-free one that draws and
-    ranks (``decode-plain``: rows that ask for logprobs 0, or sample)."""
+    prefill is one step, timed from the call to its output on the host (``prefill_steps=1``),
+    or ``prefill_steps`` back to back, each dispatched while the one before runs, their time
+    divided by their number: the device's time a step, as CUDA events around a step time it
+    when the host enqueues faster than the device runs. With ``trace_dir``, each timed phase
+    runs once more under the JAX profiler, into ``trace_dir/<phase>``. Decode rows are greedy
+    without penalties and ask no logprobs, so the step runs the runner's cheapest sampler
+    program (the argmax alone, where it has the variants); ``time_full_sampler`` also times
+    the same steps with the full sampler (``decode-full``), ``time_plain_sampler`` with the
+    sort-free one that draws and ranks (``decode-plain``: rows that ask for logprobs 0, or
+    sample)."""
     for name, value in (("batch", batch), ("input_len", input_len), ("output_len", output_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -176,7 +181,12 @@ def bench_one_batch(
         start = time.perf_counter()
         jax.block_until_ready(runner.step(prefill, 0))
         log(f"  compiled+ran prefill {batch}x{input_len} in {time.perf_counter() - start:.1f} s")
-        t_prefill = median_time(lambda: runner.step(prefill, 0), repeats)
+        t_prefill = (
+            median_time(
+                lambda: [runner.step(prefill, 0) for _ in range(prefill_steps)][-1], repeats
+            )
+            / prefill_steps
+        )
         if trace_dir:
             with jax.profiler.trace(f"{trace_dir}/prefill", create_perfetto_trace=True):
                 jax.block_until_ready(runner.step(prefill, 0))
@@ -249,7 +259,7 @@ def format_results(results: list[BenchResult]) -> str:
     lines = ["| phase | batch | input len | time per step | tokens/s | utilisation |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
-        what = "MFU" if r.phase == "prefill" else "of HBM roofline"
+        what = "MFU" if r.phase.startswith("prefill") else "of HBM roofline"
         lines.append(
             f"| {r.phase} | {r.batch} | {r.input_len} | {r.seconds * 1e3:.2f} ms | "
             f"{r.tokens_per_s:,.0f} | {r.utilisation:.1%} {what} |"

@@ -135,6 +135,15 @@ def main() -> None:
         "step (1: the fused kernels, 0: the conv and state-update chain, default: unset)",
     )
     p.add_argument(
+        "--prefill-steps",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="time each prefill case once per value: that many steps back to back, their time "
+        "divided by their number (1: one call to its output on the host; N > 1: the device's "
+        "time a step, row 'prefill xN')",
+    )
+    p.add_argument(
         "--no-fill-cache",
         action="store_true",
         help="decode cases skip the set-up prefills (bench_one_batch fill_cache=False)",
@@ -182,16 +191,17 @@ def main() -> None:
     results: list[BenchResult] = []
     profiles: list[str] = []
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": []}
-    runs = [(*case, small_m, fused, None) for case in cases for small_m in args.small_m_impls
-            for fused in args.fused_mamba_decode]  # fmt: skip
+    runs = [(*case, small_m, fused, None, steps) for case in cases
+            for small_m in args.small_m_impls for fused in args.fused_mamba_decode
+            for steps in (args.prefill_steps if case[0] == "prefill" else [1])]  # fmt: skip
     runs += [
         ("decode", int(c[1:]), args.decode_context, args.small_m_impls[0],
-         args.fused_mamba_decode[0], value)
+         args.fused_mamba_decode[0], value, 1)
         for value in args.command_buffer_values
         for c in args.command_buffer_cases
     ]  # fmt: skip
     default_jit = runner_module.jitted_step
-    for phase, batch, length, small_m, fused, command_buffer in runs:
+    for phase, batch, length, small_m, fused, command_buffer, prefill_steps in runs:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: skipping {phase} {batch}x{length}")
             continue
@@ -206,6 +216,8 @@ def main() -> None:
             jax.clear_caches()  # the step's jit is module-level: retrace, reading the switch
         if command_buffer is not None:
             name += f"-cb={command_buffer}"
+        if prefill_steps > 1:
+            name += f"-x{prefill_steps}"
         print(f"{name}: small_m_impl={small_m}", flush=True)
         trace_dir = f"{args.trace_dir}/{name}" if case in args.profile_cases else None
         try:
@@ -220,11 +232,14 @@ def main() -> None:
                                   log=lambda m: print(m, flush=True),
                                   time_plain_sampler=args.plain_sampler_too and
                                   command_buffer is None,
+                                  prefill_steps=prefill_steps,
                                   time_full_sampler=args.full_sampler_too and
                                   command_buffer is None)  # fmt: skip
             if command_buffer is not None:
                 res = [dataclasses.replace(r, phase=f"{r.phase} cb={command_buffer or 'off'}")
                        for r in res]  # fmt: skip
+            if prefill_steps > 1:
+                res = [dataclasses.replace(r, phase=f"{r.phase} x{prefill_steps}") for r in res]
             results += res
             print(format_results(res), flush=True)
             record["cases"] += [dict(r.__dict__, small_m_impl=small_m, fused_mamba_decode=fused)

@@ -8,8 +8,9 @@ kernels, cuBLAS, SDPA, decode in a CUDA graph), prepared into `.anchors/` by
 process, one after the other (the GPU is not shared between them while timing); both print
 `jaxmamba.bench.format_results` rows, which are read back and joined here. Each side's output
 streams through as it runs (a call cut short keeps what finished), and the joined table is
-printed before the throughput benchmark starts. Our extra rows (`decode-full`: the full
-sampler; `decode cb=...`: command-buffer settings) get columns of their own.
+printed before the throughput benchmark starts. Our extra rows (`decode-full`, `decode-plain`: other
+sampler programs; `decode cb=...`: command-buffer settings; `prefill xN`: N prefill steps back
+to back) get columns of their own.
 
     python3 scripts/bench_vs_peer.py --out-dir $OUT [--cases p1x2048 p8x2048 d1 d32 d128 d256]
         [--engine-args "--small-m-impls none auto"] [--throughput-args "--num-prompts 64"]
@@ -139,7 +140,8 @@ def main() -> None:
         mine = "failed" if a is None else f"{a['ms']:.2f} ms"
         theirs = "—" if b is None else f"{b['ms']:.2f} ms"
         util = "—" if a is None else f"{a['utilisation']:.1%} {what}"
-        more = [ours.get((label, key[1])) if key[0] == "decode" else None for label in extra]
+        more = [ours.get((label, key[1])) if label.startswith(key[0]) else None
+                for label in extra]  # fmt: skip
         cells = "".join("— | " if m is None else f"{m['ms']:.2f} ms | " for m in more)
         lines.append(f"| {name} | {mine} | {theirs} | {ratio} | {util} | {cells}")
         record[case] = {"ours": a, "peer": b, **dict(zip(extra, more, strict=True))}
