@@ -330,22 +330,29 @@ def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
     (launch or host bound).
     """
     events = load_trace_events(trace_dir)
-    kernels = device_kernel_events(events)
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e["name"], []).append(e["dur"])
-    busy = sum(sum(v) for v in by_name.values())
-    span = (
-        max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-        if kernels else 0.0
-    )  # fmt: skip
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     names = {
         (e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
         for e in events if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")
     }  # fmt: skip
     return {
         "threads_seen": sorted(set(names.values()))[:40],
+        **kernel_table(device_kernel_events(events), steps, top),
+    }
+
+
+def kernel_table(kernels: list[dict], steps: int, top: int | None = None) -> dict:
+    """Kernels a step, busy and span (µs a step) and the ``top`` kernels by time (all: None),
+    from kernel events with ``name``, ``ts`` and ``dur`` (µs) covering ``steps`` steps."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(float(e["dur"]))
+    busy = sum(sum(v) for v in by_name.values())
+    span = (
+        max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+        if kernels else 0.0
+    )  # fmt: skip
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
         "steps": steps,
         "kernels_per_step": len(kernels) / steps,
         "busy_us_per_step": busy / steps,

@@ -18,6 +18,8 @@ import os
 import sys
 import tempfile
 
+from jaxmamba.bench import format_trace_summary, kernel_table
+
 
 def profile_graph(torch, replay, replays: int) -> dict:
     """Kernel events of ``replays`` calls of ``replay`` as one table, per call."""
@@ -33,27 +35,7 @@ def profile_graph(torch, replay, replays: int) -> dict:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e["name"], []).append(float(e["dur"]))
-    busy = sum(sum(v) for v in by_name.values())
-    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-            if kernels else 0.0)  # fmt: skip
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    return {
-        "kernels_per_step": len(kernels) / replays,
-        "busy_us_per_step": busy / replays,
-        "span_us_per_step": span / replays,
-        "top": [
-            {
-                "name": n[:120],
-                "calls_per_step": len(d) / replays,
-                "us_per_step": sum(d) / replays,
-                "share": sum(d) / busy if busy else 0.0,
-            }
-            for n, d in ranked
-        ],  # fmt: skip
-    }
+    return kernel_table(kernels, replays)
 
 
 def main() -> None:
@@ -104,16 +86,10 @@ def main() -> None:
             summary = profile_graph(torch, step, args.replays)
             summary["eager"] = True
         record["cases"][f"d{batch}"] = summary
-        print(
-            f"peer decode batch {batch}: {summary['kernels_per_step']:.0f} kernels/step, busy "
-            f"{summary['busy_us_per_step'] / 1e3:.2f} ms, span "
-            f"{summary['span_us_per_step'] / 1e3:.2f} ms per step"
-            + (" (eager: the profiler saw no graph kernels)" if summary.get("eager") else "")
+        title = f"peer decode batch {batch}" + (
+            " (eager: the profiler saw no graph kernels)" if summary.get("eager") else ""
         )
-        print("| kernel | calls/step | µs/step | share |\n|---|---|---|---|")
-        for k in summary["top"][:40]:
-            print(f"| `{k['name'][:90]}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.0f} | "
-                  f"{k['share']:.1%} |")  # fmt: skip
+        print(format_trace_summary(title, dict(summary, top=summary["top"][:40])), flush=True)
         del graph, kv
         torch.cuda.empty_cache()
     if args.json:
