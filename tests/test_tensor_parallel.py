@@ -194,3 +194,24 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+
+
+def test_multihost_leader_takes_the_engines_step_arguments_and_runs_the_full_sampler():
+    """The engine tells its runner which sampler outputs rows read (`top_logprobs`, `ranks`);
+    the several-host leader accepts them and runs the one program its followers have."""
+    from collections import namedtuple
+
+    from jaxmamba.parallel.multihost import LeaderRunner
+
+    calls = []
+
+    class Runner:
+        def step(self, inputs, num_decode, **kwargs):
+            calls.append((num_decode, kwargs))
+            return "packed"
+
+    Inputs = namedtuple("Inputs", "input_ids state_slots")
+    inputs = Inputs(np.arange(4, dtype=np.int32), np.arange(2, dtype=np.int32))
+    leader = LeaderRunner(Runner())
+    assert leader.step(inputs, 2, top_logprobs=False, ranks=False) == "packed"
+    assert calls == [(2, {})]

@@ -13,7 +13,8 @@ the sort of each row's scaled logits serves only the top-k/top-p/min-p cut-off, 
 logprobs (a two-stage top-k, `top_k_blocked`, exact to the ids and cheaper than one `lax.top_k`
 over the vocabulary) only requests that ask for them, so `sample(cutoff=False,
 top_logprobs=False)` is a second program without either, for steps where no row needs them
-(`needs_cutoff`; the runner picks it for decode steps).
+(`needs_cutoff`; the runner picks it for decode steps), and with `draw=False, ranks=False` and
+no penalties a third, the argmax alone, for steps of greedy rows that ask for no logprobs.
 
 The penalties read `PenaltyState`, one row per state slot, kept on device and updated inside
 the step (`record_tokens`): which tokens the slot's prompt holds, and how often each output

@@ -54,10 +54,10 @@ class LeaderRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
-    def step(self, inputs, num_decode: int, *, top_logprobs: bool = True):
+    def step(self, inputs, num_decode: int, *, top_logprobs: bool = True, ranks: bool = True):
         # The followers run the full sampler program (the sharded step has no other), so the
-        # leader does too whatever `top_logprobs` says: it serves every step.
-        del top_logprobs
+        # leader does too whatever `top_logprobs` and `ranks` say: it serves every step.
+        del top_logprobs, ranks
         bucket = (len(inputs.input_ids), len(inputs.state_slots), num_decode)
         _broadcast(np.array([_STEP, *bucket], np.int32))
         inputs = _broadcast(inputs)
