@@ -11,7 +11,7 @@ import pytest
 
 from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
-from jaxmamba.engine.runner import FULL, GREEDY, PLAIN
+from jaxmamba.engine.runner import FULL, GREEDY, PLAIN, fallback_sampler
 from jaxmamba.model.params import init_params
 
 from model_helpers import builder, make_runner, row
@@ -114,6 +114,13 @@ def test_decode_steps_take_the_cheapest_sampler_no_row_needs_more_than(
     rows = [row([1], 5, slot=i, **kw) for i, kw in enumerate(params)]
     inputs = builder(runner).build(rows, Bucket(4, 4, 4))
     assert runner.sampler_variant(inputs, 4, top_logprobs=asks, ranks=ranks) == expected
+
+
+def test_an_artifact_without_a_variant_serves_its_steps_on_the_next_dearer_program():
+    assert fallback_sampler(GREEDY, (FULL, PLAIN, GREEDY)) == GREEDY
+    assert fallback_sampler(GREEDY, (FULL, PLAIN)) == PLAIN  # exported before GREEDY existed
+    assert fallback_sampler(GREEDY, (FULL,)) == FULL
+    assert fallback_sampler(PLAIN, (FULL, GREEDY)) == FULL  # GREEDY cannot serve PLAIN's rows
 
 
 def test_steps_with_prefill_rows_take_the_full_sampler(runner):

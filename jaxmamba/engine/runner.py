@@ -109,8 +109,8 @@ TRACE_COUNTS: Counter = Counter()
 # logprobs (zeros), for a decode step where no row filters or asks for them; GREEDY is the
 # argmax of the biased logits and the token's logprob, for a decode step of greedy rows
 # without penalties where no row asks for logprobs (ranks and top logprobs are zeros) — vLLM's
-# all-greedy path. At batch 256 on the 9B model PLAIN's draw, penalties and ranks cost ~0.3 ms
-# a step (docs/benchmarks.md, issue 17).
+# all-greedy path. On the 9B model PLAIN's draw, penalties and ranks cost 0.07 ms a decode step
+# at batch 1 and 32, 0.29 at 128 and 0.45 at 256 (docs/benchmarks.md, issue 17).
 FULL, PLAIN, GREEDY = "full", "plain", "greedy"
 
 
