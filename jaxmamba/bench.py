@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
-from jaxmamba.engine.runner import ModelRunner
+from jaxmamba.engine.runner import FULL, GREEDY, PLAIN, ModelRunner, sampler_flags
 from jaxmamba.model.cache import CacheSpec
 
 PEAK_BF16_FLOPS = 800e12  # XLA bf16 matmul on the H200, measured (DESIGN §8)
@@ -223,15 +223,16 @@ def bench_one_batch(
     # Greedy rows that ask no logprobs, as the engine runs them: the argmax-only sampler
     # (JAXMAMBA_SAMPLER_VARIANTS=0 times the full one).
     start = time.perf_counter()
-    jax.block_until_ready(runner.step(decodes[0], batch, top_logprobs=False, ranks=False))
-    sampler = runner.sampler_variant(decodes[0], batch, top_logprobs=False, ranks=False)
+    greedy = sampler_flags(GREEDY)
+    jax.block_until_ready(runner.step(decodes[0], batch, **greedy))
+    sampler = runner.sampler_variant(decodes[0], batch, **greedy)
     log(f"  compiled+ran decode batch {batch} ({sampler} sampler) in "
         f"{time.perf_counter() - start:.1f} s")  # fmt: skip
 
-    def run_decode(top_logprobs=False, ranks=False):
+    def run_decode(sampler=GREEDY):
         out = None
         for inputs in decodes:
-            out = runner.step(inputs, batch, top_logprobs=top_logprobs, ranks=ranks)
+            out = runner.step(inputs, batch, **sampler_flags(sampler))
         return out
 
     # Re-running the same positions rewrites the same cache entries: the work per step and
@@ -244,12 +245,12 @@ def bench_one_batch(
     step_bytes = decode_bytes(cfg, params, batch, context, dtype)
     bw = step_bytes / t_decode / PEAK_HBM_BYTES
     results.append(BenchResult("decode", batch, input_len, t_decode, batch / t_decode, bw))
-    others = {"decode-full": (True, True)} if time_full_sampler else {}
+    others = {"decode-full": FULL} if time_full_sampler else {}
     if time_plain_sampler:
-        others["decode-plain"] = (False, True)
-    for phase, wants in others.items():
-        jax.block_until_ready(run_decode(*wants))  # compiles that sampler's program
-        t = median_time(lambda wants=wants: run_decode(*wants), max(1, repeats // 2)) / output_len
+        others["decode-plain"] = PLAIN
+    for phase, sampler in others.items():
+        jax.block_until_ready(run_decode(sampler))  # compiles that sampler's program
+        t = median_time(lambda s=sampler: run_decode(s), max(1, repeats // 2)) / output_len
         results.append(BenchResult(phase, batch, input_len, t, batch / t,
                                    step_bytes / t / PEAK_HBM_BYTES))  # fmt: skip
     return results
@@ -323,7 +324,7 @@ def steps_after_lead_in(events, steps: int) -> tuple[float, float, float]:
     return span / steps, busy / steps, len(after) / steps
 
 
-def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
+def summarize_trace(trace_dir: str, steps: int, top: int | None = 15) -> dict:
     """Kernel time on the accelerator's streams of a ``jax.profiler`` trace, per step
     (``device_kernel_events``). ``busy`` is the summed kernel time, ``span`` the first start
     to the last end: a span well above ``busy`` means the device idled between kernels

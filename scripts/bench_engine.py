@@ -246,7 +246,7 @@ def main() -> None:
                                 for r in res]  # fmt: skip
             if trace_dir:
                 steps = 1 if phase == "prefill" else args.output_len
-                summary = summarize_trace(f"{trace_dir}/{phase}", steps, top=10_000)
+                summary = summarize_trace(f"{trace_dir}/{phase}", steps, top=None)
                 record.setdefault("profiles", {})[name] = summary
                 shown = dict(summary, top=summary["top"][: args.profile_top])
                 profiles.append(format_trace_summary(f"{name} ({args.impl})", shown))

@@ -154,6 +154,12 @@ def choose_sampler(inputs: StepInputs, num_decode: int, top_logprobs: bool, voca
     return FULL if needs_cutoff(temperature, top_k, top_p, min_p, vocab) else PLAIN
 
 
+def sampler_flags(sampler: str) -> dict:
+    """The `step` keywords that select ``sampler`` for a pure decode step of padding rows
+    (greedy, no penalties): what no row of such a step reads."""
+    return {"top_logprobs": sampler == FULL, "ranks": sampler != GREEDY}
+
+
 def fallback_sampler(sampler: str, held) -> str:
     """``sampler``, or the next dearer program in ``held`` that serves the same rows (an
     artifact exported without a variant)."""
@@ -412,8 +418,7 @@ class ModelRunner:
                     progress(i + 1, len(programs), programs[i][0])
         host = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
         for (bucket, sampler), x in zip(programs, host, strict=True):
-            wants = dict(top_logprobs=sampler == FULL, ranks=sampler != GREEDY)
-            jax.block_until_ready(self.step(x, bucket.num_decode, **wants))
+            jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
 
 
 def step_temporary_bytes(

@@ -22,9 +22,9 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.runner import (
     FULL,
-    GREEDY,
     choose_sampler,
     fallback_sampler,
+    sampler_flags,
     variants_enabled,
 )
 from jaxmamba.export.artifact import Artifact, ArtifactError, programs, read_artifact
@@ -280,8 +280,7 @@ class ArtifactRunner:
                 if progress is not None:
                     progress(i + 1, len(progs), progs[i][0])
         for (bucket, sampler), x in zip(progs, inputs, strict=True):
-            wants = dict(top_logprobs=sampler == FULL, ranks=sampler != GREEDY)
-            jax.block_until_ready(self.step(x, bucket.num_decode, **wants))
+            jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
 
     def forward_logits(self, inputs, num_decode: int):
         raise NotImplementedError("an exported artifact holds the sampling step only")

@@ -86,7 +86,6 @@ class Mamba2Mixer(nn.Module):
             cfg.conv_kernel,
         )
         d_inner, conv_dim = cfg.d_inner, cfg.conv_dim
-        num_tokens = x.shape[0]
 
         zxbcdt = Linear(
             cfg.in_proj_dim,
@@ -165,8 +164,7 @@ class Mamba2Mixer(nn.Module):
                 ssm_pool = ssm_pool.at[f.dst_slots].set(ssm_pool[f.src_slots])
             outputs.append(y_p.reshape(-1, d_inner))
 
-        y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
-        y = y.reshape(num_tokens, d_inner)
+        y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]  # [T, H·P]
         y = GatedGroupRMSNorm(
             G, cfg.norm_eps, self.dtype, cfg.mamba_rms_norm, self.tp, name="norm"
         )(y, z)
