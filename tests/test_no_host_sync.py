@@ -171,3 +171,57 @@ def test_steps_run_under_transfer_guard_without_recompiling(runner):
     assert runner.variant_steps[GREEDY] - steps[GREEDY] == 3
     assert runner.variant_steps[PLAIN] - steps[PLAIN] == 3
     assert runner.variant_steps[FULL] - steps[FULL] == 4 + 3  # the prefill steps, the mixes
+
+
+def test_forks_and_prompt_scores_are_programs_of_their_own_run_only_when_asked(runner):
+    """A step with prefill rows neither scores prompt tokens nor copies fork states: its
+    logits are its rows' alone, and `fork_fn` / `score_fn` run after it only for steps that
+    ask, each compiled once, under the transfer guard. The fork leaves the source's end state
+    in the fork's slot; the scores' targets are the asked prompt tokens, in step order."""
+    from jaxmamba.engine.runner import MAX_PROMPT_LOGPROB_TOKENS, unpack_step_output
+
+    from model_helpers import pages_for
+
+    bld, vocab, bucket = builder(runner), runner.cfg.vocab_size, Bucket(64, 4, 0)
+    rng = np.random.default_rng(5)
+    tokens = [rng.integers(0, vocab, n).tolist() for n in (12, 9, 20)]
+
+    def rows(fork: bool, scored: bool):
+        first = row(tokens[0], 0, slot=0)
+        if fork:  # slot 3 takes a copy of slot 0's end state and its partial last page
+            first.forks = [(3, pages_for(0, 12)[-1], pages_for(3, 12)[-1])]
+        second = row(tokens[1], 0, slot=1)
+        if scored:  # the second row asks for its prompt's next tokens (one short at its end)
+            second.prompt_logprob_targets = tokens[1][1:]
+        forked = [row([], 12, slot=3, fork=True)] if fork else []
+        return [first, *forked, second, row(tokens[2], 0, slot=2)]
+
+    def run(fork: bool, scored: bool):
+        with jax.transfer_guard("disallow"):
+            out = runner.step(bld.build(rows(fork, scored), bucket), 0, top_logprobs=False)
+            return jax.device_get(out)
+
+    step = functools.partial(runner._step_fn, num_decode=0)
+    jaxpr = jax.make_jaxpr(step)(runner.params, runner.cache, runner.slot_state,
+                                 bld.build(rows(True, True), bucket)).jaxpr  # fmt: skip
+    vocab_dots = [
+        e.outvars[0].aval.shape
+        for e in jaxpr.eqns
+        if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[-1] == vocab
+    ]
+    assert vocab_dots == [(bucket.num_rows, vocab)]  # the lm_head over the rows alone
+
+    for fork, scored in ((False, False), (True, True)):  # warm-up: every program once
+        run(fork, scored)
+    warm = runner.num_compiles
+    sampled, scores = unpack_step_output(run(False, False))
+    assert scores is None and sampled.tokens.shape == (bucket.num_rows,)
+    sampled, scores = unpack_step_output(run(True, True))
+    assert scores.tokens.shape == (MAX_PROMPT_LOGPROB_TOKENS,)
+    assert scores.tokens[:8].tolist() == tokens[1][1:] and (scores.tokens[8:] == -1).all()
+    assert runner.num_compiles == warm
+    for layer, pool in enumerate(runner.cache.ssm):
+        np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(pool[0]), f"layer {layer}")
+    for pool in runner.cache.conv:
+        np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(pool[0]))
+    assert np.abs(np.asarray(runner.cache.ssm[0][0])).sum() > 0  # a real state was copied

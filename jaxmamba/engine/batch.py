@@ -28,7 +28,7 @@ class RowSpec:
 
     A *fork* row (n > 1) has no tokens: it samples from the logits of the row before it, whose
     `forks` copy that row's end state into the fork row's slot (and the prompt's partial last
-    KV page into its own page) inside the step."""
+    KV page into its own page) after the step (`runner.fork_fn`)."""
 
     tokens: list[int]
     prefix_len: int

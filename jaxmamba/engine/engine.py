@@ -30,7 +30,7 @@ from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.detokenizer import IncrementalDetokenizer
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.engine.request import Request
-from jaxmamba.engine.runner import ModelRunner, unpack_prompt_logprobs, unpack_sample_output
+from jaxmamba.engine.runner import ModelRunner, StepOutput, unpack_step_output
 from jaxmamba.engine.scheduler import ScheduledStep, Scheduler
 from jaxmamba.sampling_params import SamplingParams
 
@@ -110,7 +110,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._rng = np.random.default_rng(seed)
         self._groups: dict[str, RequestGroup] = {}
-        self._inflight: tuple[ScheduledStep, jax.Array] | None = None
+        self._inflight: tuple[ScheduledStep, StepOutput] | None = None
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -247,7 +247,7 @@ class LLMEngine:
         self._inflight = dispatched
         return outputs
 
-    def _dispatch(self) -> tuple[ScheduledStep, jax.Array] | None:
+    def _dispatch(self) -> tuple[ScheduledStep, StepOutput] | None:
         with self.scheduler.transaction():
             scheduled = self.scheduler.schedule()
             if scheduled is None:
@@ -260,7 +260,7 @@ class LLMEngine:
         self._count(scheduled)
         return scheduled, packed
 
-    def _step(self, scheduled: ScheduledStep, inputs) -> jax.Array:
+    def _step(self, scheduled: ScheduledStep, inputs) -> StepOutput:
         """Dispatch on the runner, telling it whether some row reads the top logprobs
         (logprobs >= 1) or the ranks (logprobs set at all): a decode step that needs neither
         them nor a cut-off may run a sampler without them
@@ -279,12 +279,10 @@ class LLMEngine:
         kind = "decode" if nd == len(step.rows) else ("mixed" if nd else "prefill")
         st.step_kinds[kind] += 1
 
-    def _postprocess(self, step: ScheduledStep, packed: jax.Array) -> list[RequestOutput]:
-        host = jax.device_get(packed)  # the one read per step
-        sampled = unpack_sample_output(host)
-        scored = unpack_prompt_logprobs(host, step.bucket.num_rows)  # prompt tokens, if any
+    def _postprocess(self, step: ScheduledStep, out: StepOutput) -> list[RequestOutput]:
+        sampled, scored = unpack_step_output(jax.device_get(out))  # the one read per step
         tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
-        prompt_offset = 0  # of the row's first token among the step's prefill tokens
+        scored_offset = 0  # of the row's first scored token among the step's scored tokens
         self.stats.device_reads += 1
         now = time.perf_counter()
         deltas: dict[str, list[CompletionOutput]] = {}
@@ -297,11 +295,12 @@ class LLMEngine:
                         self.scheduler.drop_checkpoint(req, slot)
                     else:
                         self.scheduler.record_checkpoint(req, length, slot)
-            if i >= num_decode:
-                if row.spec.prompt_logprob_targets and scored is not None and not req.finished:
-                    self._prompt_logprobs(req, row.spec.prompt_logprob_targets, scored,
-                                          prompt_offset)  # fmt: skip
-                prompt_offset += len(row.spec.tokens)
+            targets = row.spec.prompt_logprob_targets
+            if i >= num_decode and targets:
+                targets = targets[: len(row.spec.tokens)]  # as the step builder writes them
+                if not req.finished:
+                    self._prompt_logprobs(req, targets, scored, scored_offset)
+                scored_offset += len(targets)
             if req.finished or not row.samples:  # finished, or mid-prompt
                 continue
             i = i if i < num_decode else step.output_row(i)
@@ -377,7 +376,7 @@ class LLMEngine:
         return top
 
     def _prompt_logprobs(self, req: Request, targets: list[int], scored, offset: int) -> None:
-        """Add the prompt logprobs of a prefill chunk's tokens (device rows from `offset`)."""
+        """Add the prompt logprobs of a prefill chunk's tokens (scored rows from `offset`)."""
         logprobs = self._groups[req.request_id].prompt_logprobs
         k = req.params.prompt_logprobs
         for j, target in enumerate(targets):

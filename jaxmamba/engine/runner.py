@@ -11,6 +11,14 @@ step needs what they leave out (`ModelRunner.sampler_variant`; a device branch i
 ~5 ms a step, docs/benchmarks.md). Each gives the tokens, logprobs and ranks the full program
 gives for the rows it runs. `JAXMAMBA_SAMPLER_VARIANTS=0` turns the variants off (one program
 a bucket).
+
+Two rare kinds of work run as programs of their own, dispatched after a step only when one
+of its rows asks (`ModelRunner.step` decides from the host inputs; one program each, whatever
+the bucket): `score_fn`, the prompt_logprobs of the prefill tokens that ask for them, from
+their hidden states the step leaves in `SlotState.prompt_hidden`; and `fork_fn`, the copies of
+a prompt's end state into its other samples' slots (n > 1). Inside every step they cost a
+prefill of 2,048 tokens on the 9B model ~1.6 ms (the top logprobs of 128 rows, and the state
+copies of 4 padded forks in each of 27 layers; H200, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -45,10 +53,32 @@ if TYPE_CHECKING:  # the model is imported where a runner is built: serving an e
 
 
 class SlotState(NamedTuple):
-    """What the sampler keeps per state slot between steps, on device."""
+    """What the sampler keeps per state slot between steps, on device, and the hidden states
+    the last step with prefill rows leaves for `score_fn`."""
 
     last_tokens: jax.Array  # i32[S+1] the slot's last sampled token (fed to its next decode)
     penalties: PenaltyState  # prompt tokens and output counts, [S+1, V]
+    # [MAX_PROMPT_LOGPROB_TOKENS, E] model dtype: at the prefill tokens that ask for
+    # prompt_logprobs (`prompt_tokens_to_score`), in step order; padding repeats a position
+    prompt_hidden: jax.Array
+
+
+def init_slot_state(cfg: ModelConfig, spec: CacheSpec, dtype) -> SlotState:
+    """A runner's first `SlotState` (under `jax.eval_shape`: its shapes)."""
+    return SlotState(
+        jnp.zeros(spec.num_slots + 1, jnp.int32),
+        init_penalty_state(spec.num_slots, cfg.vocab_size),
+        jnp.zeros((MAX_PROMPT_LOGPROB_TOKENS, cfg.hidden_size), dtype),
+    )
+
+
+class StepOutput(NamedTuple):
+    """What `ModelRunner.step` hands back, on device: the packed samples of every row
+    (`pack_sample_output`), and the packed prompt logprobs of the prefill tokens that ask
+    for them, in step order (`score_fn`; None when no row asks)."""
+
+    packed: jax.Array  # i32[B, 3 + 2 * MAX_LOGPROBS]
+    prompt_scores: jax.Array | None = None  # i32[MAX_PROMPT_LOGPROB_TOKENS, 3 + 2 * MAX_LOGPROBS]
 
 
 def pack_sample_output(out: SampleOutput) -> jax.Array:
@@ -174,29 +204,27 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
             num_decode, sampler: str = FULL):  # fmt: skip
     """One engine step: forward, sample at each row's last token, remember the samples.
 
-    The packed output has a row per step row; a bucket with prefill rows appends a row per
-    prefill token (`score_prompt_tokens`: prompt_logprobs, zeros when none asks)."""
+    The packed output has a row per step row. A bucket with prefill rows also keeps the
+    hidden states of the prefill tokens that ask for prompt_logprobs (`SlotState.
+    prompt_hidden`, for `score_fn`); forks' state copies are `fork_fn`'s."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
     meta = build_metadata(model, spec, inputs, num_decode)
     input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
     hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
     num_rows = inputs.state_slots.shape[0]
-    targets = inputs.prompt_logprob_targets
-    scoring = targets is not None and num_rows > num_decode  # the bucket has prefill rows
-    rows_hidden = hidden[meta.last_token_index]
-    if scoring:
-        positions, asked_targets = prompt_tokens_to_score(targets, num_decode)
-        rows_hidden = jnp.concatenate([rows_hidden, hidden[positions]])
-    logits = model.apply({"params": params}, rows_hidden, method="logits")
-    if scoring:
-        logits, scored_logits = logits[:num_rows], logits[num_rows:]
+    prompt_hidden = slot_state.prompt_hidden
+    if inputs.prompt_logprob_targets is not None and num_rows > num_decode:
+        positions = prompt_tokens_to_score(inputs.prompt_logprob_targets, num_decode)
+        prompt_hidden = hidden[positions].astype(prompt_hidden.dtype)
+    logits = model.apply({"params": params}, hidden[meta.last_token_index], method="logits")
     slots = inputs.state_slots
     seen = record_tokens(
         slot_state.penalties, input_ids, meta.token_rows, meta.token_valid, slots,
         inputs.penalty_reset, num_decode=num_decode, pad_slot=spec.pad_slot,
     )  # fmt: skip
-    if meta.forks is not None:  # n > 1: the forked samples see the prompt as their own
-        src, dst = meta.forks.src_slots, meta.forks.dst_slots
+    if num_rows > num_decode and inputs.fork_src_slots is not None:
+        # n > 1: the forked samples see the prompt as their own from this step on
+        src, dst = inputs.fork_src_slots, inputs.fork_dst_slots
         seen = PenaltyState(
             seen.prompt_mask.at[dst].set(seen.prompt_mask[src]),
             seen.output_counts.at[dst].set(seen.output_counts[src]),
@@ -215,53 +243,83 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
         ranks=sampler != GREEDY,
     )  # fmt: skip
     last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
-    packed = pack_sample_output(out)
-    if scoring:
-        num_prefill_tokens = targets.shape[0] - num_decode
-        scored = score_prompt_tokens(scored_logits, positions - num_decode, asked_targets,
-                                     num_prefill_tokens)  # fmt: skip
-        packed = jnp.concatenate([packed, scored], axis=0)
-    return packed, cache, SlotState(last_tokens, seen)
+    return pack_sample_output(out), cache, SlotState(last_tokens, seen, prompt_hidden)
 
 
 def prompt_tokens_to_score(
     targets: jax.Array,  # i32[T] next prompt token where prompt_logprobs is asked, else -1
     num_decode: int,
-) -> tuple[jax.Array, jax.Array]:
-    """The step positions of the prefill tokens that ask for prompt_logprobs — a fixed
-    `min(prefill tokens, MAX_PROMPT_LOGPROB_TOKENS)` of them, the scheduler keeps the count
-    within it — and their targets; -1 targets mark the padding (at position `num_decode`)."""
-    prefill = targets[num_decode:]
-    width = min(prefill.shape[0], MAX_PROMPT_LOGPROB_TOKENS)
-    (index,) = jnp.nonzero(prefill >= 0, size=width, fill_value=-1)
-    asked = index >= 0
-    index = jnp.where(asked, index, 0)
-    return num_decode + index, jnp.where(asked, prefill[index], -1)
-
-
-def score_prompt_tokens(
-    logits: jax.Array,  # f32[W, V] at the tokens prompt_tokens_to_score chose
-    index: jax.Array,  # i32[W] their positions among the step's prefill tokens
-    targets: jax.Array,  # i32[W] the prompt token after each (-1: padding)
-    num_prefill_tokens: int,
 ) -> jax.Array:
-    """`i32[num_prefill_tokens, 3 + 2 * MAX_LOGPROBS]`, packed as the samples are, per
-    prefill token: the next prompt token, its logprob and rank, the top ids and logprobs
-    (zeros at tokens that do not ask)."""
-    p = prompt_logprobs(logits, targets)
-    rows = pack_sample_output(SampleOutput(targets, p.logprobs, p.ranks, p.top_ids,
-                                           p.top_logprobs))  # fmt: skip
-    index = jnp.where(targets >= 0, index, num_prefill_tokens)  # padding: dropped
-    out = jnp.zeros((num_prefill_tokens, rows.shape[1]), jnp.int32)
-    return out.at[index].set(rows, mode="drop")
+    """i32[MAX_PROMPT_LOGPROB_TOKENS]: the step positions of the prefill tokens that ask for
+    prompt_logprobs, in order (the scheduler keeps their count within the width); padding
+    repeats the first prefill position. `asked_targets` lists the same tokens' targets."""
+    (index,) = jnp.nonzero(targets[num_decode:] >= 0, size=MAX_PROMPT_LOGPROB_TOKENS,
+                           fill_value=0)  # fmt: skip
+    return num_decode + index
 
 
-def unpack_prompt_logprobs(packed: np.ndarray, num_rows: int) -> HostSample | None:
-    """The prompt-token rows of a step's packed output (after its `num_rows` sample rows);
-    `tokens` holds each row's next prompt token. None for a step without them."""
-    if packed.shape[0] <= num_rows:
+def asked_targets(targets: np.ndarray, num_decode: int) -> np.ndarray | None:
+    """Host side of `prompt_tokens_to_score`: the targets of the prefill tokens that ask for
+    prompt_logprobs, in step order, padded with -1 to `MAX_PROMPT_LOGPROB_TOKENS`; None when
+    none asks (the step needs no `score_fn`)."""
+    if targets is None:
         return None
-    return unpack_sample_output(packed[num_rows:])
+    prefill = np.asarray(targets)[num_decode:]
+    asked = prefill[prefill >= 0]
+    if asked.size == 0:
+        return None
+    if asked.size > MAX_PROMPT_LOGPROB_TOKENS:
+        raise ValueError(f"{asked.size} prompt tokens to score in one step, at most "
+                         f"{MAX_PROMPT_LOGPROB_TOKENS}")  # fmt: skip
+    out = np.full(MAX_PROMPT_LOGPROB_TOKENS, -1, np.int32)
+    out[: asked.size] = asked
+    return out
+
+
+def score_fn(params, prompt_hidden: jax.Array, targets: jax.Array, *, model, spec) -> jax.Array:
+    """vLLM's prompt logprobs of the tokens a step kept (`SlotState.prompt_hidden`), packed as
+    the samples are: `i32[W, 3 + 2 * MAX_LOGPROBS]`, per token its target (the next prompt
+    token; -1 for padding), its logprob and rank, and the top ids and logprobs."""
+    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
+    logits = model.apply({"params": params}, prompt_hidden, method="logits")
+    p = prompt_logprobs(logits, targets)
+    return pack_sample_output(SampleOutput(targets, p.logprobs, p.ranks, p.top_ids,
+                                           p.top_logprobs))  # fmt: skip
+
+
+def fork_fn(cache: StateCache, src_slots, dst_slots, src_pages, dst_pages, *, model=None,
+            spec=None) -> StateCache:  # fmt: skip
+    """n > 1: copy a prompt's end state into its other samples' slots, and its partial last
+    KV page into theirs, after the step that ends the prompt (unused entries: the pad slot
+    and page onto themselves). `model` and `spec` only count its compilations."""
+    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
+    copy = lambda pool, src, dst: pool.at[dst].set(pool[src])  # noqa: E731
+    return StateCache(
+        tuple(copy(c, src_slots, dst_slots) for c in cache.conv),
+        tuple(copy(c, src_slots, dst_slots) for c in cache.ssm),
+        tuple(copy(k, src_pages, dst_pages) for k in cache.k_pages),
+        tuple(copy(v, src_pages, dst_pages) for v in cache.v_pages),
+    )
+
+
+def fork_inputs(inputs: StepInputs) -> tuple:
+    """`fork_fn`'s arguments after the cache, from a step's inputs."""
+    return (inputs.fork_src_slots, inputs.fork_dst_slots, inputs.fork_src_pages,
+            inputs.fork_dst_pages)  # fmt: skip
+
+
+def has_forks(inputs: StepInputs, num_decode: int, pad_slot: int) -> bool:
+    """Whether a step forks some sample (host inputs): `fork_fn` runs after it."""
+    if inputs.fork_dst_slots is None or len(inputs.state_slots) == num_decode:
+        return False
+    return bool(np.any(np.asarray(inputs.fork_dst_slots) != pad_slot))
+
+
+def unpack_step_output(out: StepOutput) -> tuple[HostSample, HostSample | None]:
+    """A step's samples, and its scored prompt tokens in step order (None: none asked);
+    `out` read to the host (`jax.device_get`)."""
+    scored = None if out.prompt_scores is None else unpack_sample_output(out.prompt_scores)
+    return unpack_sample_output(out.packed), scored
 
 
 def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
@@ -280,6 +338,8 @@ jitted_step = jax.jit(
 jitted_logits = jax.jit(
     logits_fn, static_argnames=("model", "spec", "num_decode"), donate_argnames=("cache",)
 )
+jitted_score = jax.jit(score_fn, static_argnames=("model", "spec"))
+jitted_fork = jax.jit(fork_fn, static_argnames=("model", "spec"), donate_argnames=("cache",))
 
 
 class ModelRunner:
@@ -304,10 +364,7 @@ class ModelRunner:
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
         self.tensor_parallel_size = tensor_parallel_size
-        slot_state = SlotState(
-            jnp.zeros(cache_spec.num_slots + 1, jnp.int32),
-            init_penalty_state(cache_spec.num_slots, cfg.vocab_size),
-        )
+        slot_state = init_slot_state(cfg, cache_spec, self.dtype)
         # One device: the host arrays go to the jitted step as they are, and its C++ dispatch
         # moves them (~2.5 ms a step less than 29 Python `device_put`s on CPU, where the
         # host's dispatch is what bounds the H200's offline throughput, docs/benchmarks.md).
@@ -318,6 +375,7 @@ class ModelRunner:
             self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
             self._static = dict(model=self.model, spec=cache_spec)
             self._jit_step, self._jit_logits = jitted_step, jitted_logits
+            self._jit_score, self._jit_fork = jitted_score, jitted_fork
         else:
             from jaxmamba.parallel import sharding, step
 
@@ -332,6 +390,7 @@ class ModelRunner:
             self._put_inputs = functools.partial(jax.device_put, device=replicated)
             self._static = dict(model=self.model, spec=cache_spec, mesh_plan=mesh_plan)
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
+            self._jit_score, self._jit_fork = step.jitted_tp_score, step.jitted_tp_fork
         self.slot_state = slot_state
         # The sampler variants of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
@@ -365,20 +424,30 @@ class ModelRunner:
                               ranks=ranks)  # fmt: skip
 
     def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True,
-             ranks: bool = True) -> jax.Array:  # fmt: skip
-        """Dispatch one step; returns the packed device output without waiting for it.
+             ranks: bool = True) -> StepOutput:  # fmt: skip
+        """Dispatch one step, and after it `fork_fn` and `score_fn` where some row needs them
+        (`has_forks`, `asked_targets`); returns the device outputs without waiting for them.
         `top_logprobs=False`: no row reads the top logprobs, `ranks=False`: no row reads the
         ranks (no row asks for logprobs); what no row reads may come back as zeros, which lets
         a decode step run a sampler variant."""
         sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
         self.variant_steps[sampler] += 1
         kwargs = {} if sampler == FULL else {"sampler": sampler}
+        forks = has_forks(inputs, num_decode, self.cache_spec.pad_slot)
+        targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
             packed, self.cache, self.slot_state = self._jit_step(
                 self.params, self.cache, self.slot_state, self._put_inputs(inputs),
                 num_decode=num_decode, **kwargs, **self._static,
             )  # fmt: skip
-        return packed
+            if forks:
+                self.cache = self._jit_fork(self.cache, *self._put_inputs(fork_inputs(inputs)),
+                                            **self._static)  # fmt: skip
+            scores = None
+            if targets is not None:
+                scores = self._jit_score(self.params, self.slot_state.prompt_hidden,
+                                         self._put_inputs(targets), **self._static)  # fmt: skip
+        return StepOutput(packed, scores)
 
     def step_args(self, inputs: StepInputs, num_decode: int, sampler: str = FULL
                   ) -> tuple[tuple, dict]:  # fmt: skip
@@ -419,6 +488,20 @@ class ModelRunner:
         host = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
         for (bucket, sampler), x in zip(programs, host, strict=True):
             jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
+        prefill = [b for b in buckets if b.num_rows > b.num_decode]
+        if prefill:
+            self.run_side_programs(build_inputs(prefill[0]))
+
+    def run_side_programs(self, padding: StepInputs) -> None:
+        """Compile and run once `fork_fn` and `score_fn` (what a step with forks or
+        prompt_logprobs adds), on a bucket's padding: pad slots onto themselves, no target."""
+        with jax.transfer_guard_host_to_device("allow"):
+            self.cache = self._jit_fork(self.cache, *self._put_inputs(fork_inputs(padding)),
+                                        **self._static)  # fmt: skip
+            targets = np.full(MAX_PROMPT_LOGPROB_TOKENS, -1, np.int32)
+            jax.block_until_ready(self._jit_score(
+                self.params, self.slot_state.prompt_hidden, self._put_inputs(targets),
+                **self._static))  # fmt: skip
 
 
 def step_temporary_bytes(
@@ -449,12 +532,7 @@ def step_temporary_bytes(
 
     dtype = jnp.dtype(dtype)
     model = Mamba2HybridLM(cfg, dtype, impl, small_m_impl)
-    shapes = jax.eval_shape(
-        lambda: SlotState(
-            jnp.zeros(spec.num_slots + 1, jnp.int32),
-            init_penalty_state(spec.num_slots, cfg.vocab_size),
-        )
-    )
+    shapes = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
     args = (params, cache_shapes(cfg, spec, dtype), shapes, inputs)
     compiled = jitted_step.lower(*args, num_decode=num_decode, model=model, spec=spec).compile()
     analysis = compiled.memory_analysis()

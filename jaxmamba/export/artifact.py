@@ -7,6 +7,8 @@
     DIR/steps/<platform>/<T>x<B>x<D>.plain.jaxexport   a decode bucket's PLAIN and GREEDY
     DIR/steps/<platform>/<T>x<B>x<D>.greedy.jaxexport  sampler programs (the same signature;
                                  listed under the entry's "variants")
+    DIR/steps/<platform>/score.jaxexport   the prompt_logprobs program (`runner.score_fn`),
+                                 run after a step where some row asks for them
     DIR/steps/<platform>/*.executable   with --executables: those steps compiled for a device
     DIR/weights/                 the params as an Orbax checkpoint (absent with --no-weights)
     DIR/tokenizer/               the model's tokenizer files, if it has any
@@ -14,7 +16,10 @@
 A step takes four flat lists of arrays `(params, cache, slot_state, inputs)` (the leaves, in
 `jax.tree` order, of the live runner's arguments; the last is `StepInputs`, whose field names
 the manifest keeps) and returns `(packed sample output, cache, slot_state)`; cache and slot
-state are donated. Reading checks every field a step depends on and rejects a mismatch with
+state are donated. The score program takes `(params, prompt_hidden, targets)` (the params'
+leaves, the slot state's last leaf, i32 targets) and returns the packed prompt logprobs; the
+fork copies (`runner.fork_fn`) are plain array copies, which the serving process compiles
+itself. Reading checks every field a step depends on and rejects a mismatch with
 `ArtifactError` naming the field, what it holds and what was expected.
 """
 
@@ -28,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "jaxmamba-artifact"
-FORMAT_VERSION = 1
+# 2: the step leaves prompt_logprobs and forks to programs of their own (`SlotState` gained
+# `prompt_hidden`; the score program).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 # jax.export platform names -> the model's kernel choice when tracing for that platform.
 PLATFORM_IMPLS = {"cpu": "ref", "cuda": "auto_gpu", "tpu": "auto_tpu"}
@@ -108,7 +115,7 @@ def programs(entry: dict) -> list[tuple[str, dict]]:
 
 
 REQUIRED = ("format", "format_version", "jax_version", "platforms", "model", "dtype", "engine",
-            "cache", "input_fields", "state", "buckets", "weights")  # fmt: skip
+            "cache", "input_fields", "state", "buckets", "score", "weights")  # fmt: skip
 
 
 def read_artifact(path: str | os.PathLike, *, platform: str | None = None) -> Artifact:

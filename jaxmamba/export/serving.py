@@ -22,13 +22,19 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.runner import (
     FULL,
+    StepOutput,
+    asked_targets,
     choose_sampler,
     fallback_sampler,
+    fork_fn,
+    fork_inputs,
+    has_forks,
     sampler_flags,
     variants_enabled,
 )
 from jaxmamba.export.artifact import Artifact, ArtifactError, programs, read_artifact
 from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS
 
 _COMPILE = threading.local()  # per compiling thread: did its last compile hit the disk cache
 
@@ -82,6 +88,7 @@ class ArtifactRunner:
         self.slot_state = _zeros(m["state"]["slot_state"])
         self._entries = {_bucket_key(e): e for e in artifact.buckets()}
         self._steps: dict[tuple, Callable] = {}  # (bucket, sampler) -> its step
+        self._side: dict[str, Callable] = {}  # "score", "fork" -> the program, once built
         self._lock = threading.Lock()
         self.sampler_variants = variants_enabled()
         # bucket -> the sampler programs this runner runs for it (the artifact's, or the full
@@ -110,6 +117,12 @@ class ArtifactRunner:
             + [
                 {"shape": [self.cache_spec.num_slots + 1, self.cfg.vocab_size], "dtype": d}
                 for d in ("bool", "int32")
+            ]
+            + [
+                {
+                    "shape": [MAX_PROMPT_LOGPROB_TOKENS, self.cfg.hidden_size],
+                    "dtype": self.dtype.name,
+                }
             ],  # fmt: skip
         }
         for name, avals in implied.items():
@@ -166,7 +179,8 @@ class ArtifactRunner:
     def num_compiles(self) -> int:
         """Compiled executables of this runner's exported steps (one per bucket it ran or
         precompiled; none is traced from the model code)."""
-        return sum(fn._cache_size() for fn in self._steps.values() if hasattr(fn, "_cache_size"))
+        programs = [*self._steps.values(), *self._side.values()]
+        return sum(fn._cache_size() for fn in programs if hasattr(fn, "_cache_size"))
 
     def buckets(self) -> list[tuple[int, int, int]]:
         return list(self._entries)
@@ -243,13 +257,42 @@ class ArtifactRunner:
                                  ranks=ranks)  # fmt: skip
         return fallback_sampler(sampler, held)
 
+    def _score_program(self) -> Callable:
+        """The artifact's prompt_logprobs program (`runner.score_fn`), read once."""
+        if "score" not in self._side:
+            files = self.artifact.manifest["score"]["files"]
+            if self.platform not in files:
+                raise ArtifactError(
+                    f"{self.artifact.where}: field 'score.files' holds platforms "
+                    f"{sorted(files)}, expected one for {self.platform!r}"
+                )
+            path = self.artifact.file(files[self.platform]["path"],
+                                      files[self.platform]["sha256"])  # fmt: skip
+            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+            self._side["score"] = jax.jit(exported.call)
+        return self._side["score"]
+
+    def _fork_program(self) -> Callable:
+        """`runner.fork_fn` on the flat cache leaves (plain copies: compiled here)."""
+        if "fork" not in self._side:
+            from jaxmamba.model.cache import cache_shapes
+
+            tree = jax.tree.structure(cache_shapes(self.cfg, self.cache_spec, self.dtype))
+            flat = lambda leaves, *forks: jax.tree.leaves(  # noqa: E731
+                fork_fn(jax.tree.unflatten(tree, leaves), *forks)
+            )
+            self._side["fork"] = jax.jit(flat, donate_argnums=(0,))
+        return self._side["fork"]
+
     def step(self, inputs, num_decode: int, *, top_logprobs: bool = True,
-             ranks: bool = True) -> jax.Array:  # fmt: skip
-        """Dispatch one step; returns the packed device output without waiting for it.
-        `top_logprobs=False` / `ranks=False`: no row reads them, as in `ModelRunner.step`."""
+             ranks: bool = True) -> StepOutput:  # fmt: skip
+        """Dispatch one step, and the fork and prompt_logprobs programs where some row needs
+        them; returns the device outputs without waiting for them. `top_logprobs=False` /
+        `ranks=False`: no row reads them, as in `ModelRunner.step`."""
         sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
         fn = self._step(_step_key(inputs, num_decode), sampler)
         self.variant_steps[sampler] += 1
+        targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
         # The host arrays go in as they are: the executable's C++ dispatch moves them
         # (0.35-1.0 ms a 32-row decode call on CPU against 2.6-8.0 ms for a Python
         # `device_put` of the 29 first, docs/benchmarks.md).
@@ -257,7 +300,21 @@ class ArtifactRunner:
             packed, self.cache, self.slot_state = fn(
                 self.params, self.cache, self.slot_state, jax.tree.leaves(inputs)
             )
-        return packed
+            if has_forks(inputs, num_decode, self.cache_spec.pad_slot):
+                self.cache = self._fork_program()(self.cache, *fork_inputs(inputs))
+            scores = None
+            if targets is not None:
+                scores = self._score_program()(self.params, self.slot_state[-1], targets)
+        return StepOutput(packed, scores)
+
+    def run_side_programs(self, padding) -> None:
+        """Compile and run once the fork and prompt_logprobs programs, on a bucket's padding
+        (as `ModelRunner.run_side_programs`)."""
+        with jax.transfer_guard_host_to_device("allow"):
+            self.cache = self._fork_program()(self.cache, *fork_inputs(padding))
+            targets = np.full(MAX_PROMPT_LOGPROB_TOKENS, -1, np.int32)
+            jax.block_until_ready(
+                self._score_program()(self.params, self.slot_state[-1], targets))  # fmt: skip
 
     def _compile(self, program, inputs) -> None:
         fn = self._step(*program)
@@ -281,6 +338,9 @@ class ArtifactRunner:
                     progress(i + 1, len(progs), progs[i][0])
         for (bucket, sampler), x in zip(progs, inputs, strict=True):
             jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
+        prefill = [b for b in buckets if b.num_rows > b.num_decode]
+        if prefill:
+            self.run_side_programs(build_inputs(prefill[0]))
 
     def forward_logits(self, inputs, num_decode: int):
         raise NotImplementedError("an exported artifact holds the sampling step only")

@@ -137,18 +137,11 @@ def _aval(x) -> dict:
 def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
     """The abstract `(params, cache, slot_state, inputs)` of one bucket's step, and their
     treedefs."""
-    import jax.numpy as jnp
 
-    from jaxmamba.engine.runner import SlotState
+    from jaxmamba.engine.runner import init_slot_state
     from jaxmamba.model.cache import cache_shapes
-    from jaxmamba.model.sampling import init_penalty_state
 
-    slot_state = jax.eval_shape(
-        lambda: SlotState(
-            jnp.zeros(spec.num_slots + 1, jnp.int32),
-            init_penalty_state(spec.num_slots, cfg.vocab_size),
-        )
-    )
+    slot_state = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
     inputs = builder.padding(bucket)
     args = (params_tree, cache_shapes(cfg, spec, dtype), slot_state, inputs)
     trees = tuple(jax.tree.structure(a) for a in args)
@@ -175,6 +168,23 @@ def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, i
     )  # fmt: skip
     disabled = [jax.export.DisabledSafetyCheck.custom_call(c) for c in UNSTABLE_CUSTOM_CALLS]
     return jax.export.export(fn, platforms=(platform,), disabled_checks=disabled)(*flat)
+
+
+def export_score(cfg, spec, dtype, params_tree, platform: str, impl=None):
+    """`jax.export` of the prompt_logprobs program (`runner.score_fn`) for `platform`: flat
+    params leaves, the slot state's `prompt_hidden` and the targets in, packed rows out."""
+    from jaxmamba.engine.runner import init_slot_state, score_fn
+    from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS
+    from jaxmamba.model.model import Mamba2HybridLM
+
+    model = Mamba2HybridLM(cfg, dtype, impl or PLATFORM_IMPLS[platform])
+    tree = jax.tree.structure(params_tree)
+    fn = jax.jit(lambda params, hidden, targets: score_fn(
+        jax.tree.unflatten(tree, params), hidden, targets, model=model, spec=spec))  # fmt: skip
+    hidden = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype)).prompt_hidden
+    targets = jax.ShapeDtypeStruct((MAX_PROMPT_LOGPROB_TOKENS,), np.int32)
+    params = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(params_tree)]
+    return jax.export.export(fn, platforms=(platform,))(params, hidden, targets)
 
 
 def _setup(model: str, engine: dict | None, dtype: str):
@@ -379,6 +389,15 @@ def export_artifact(
                 f"{time.perf_counter() - start:.1f} s")  # fmt: skip
         entries.append(entry)
 
+    score = {"files": {}}
+    for platform in platforms:
+        start = time.perf_counter()
+        rel = f"steps/{platform}/score.jaxexport"
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(export_score(cfg, spec, jdtype, params_tree, platform).serialize())
+        score["files"][platform] = {"path": rel, "sha256": sha256(tmp / rel)}
+        say(f"exported {platform} prompt_logprobs program in {time.perf_counter() - start:.1f} s")
+
     slot_avals, _ = step_specs(cfg, spec, jdtype, params_tree, builder, buckets[0])
     manifest = {
         "format": FORMAT,
@@ -400,6 +419,7 @@ def export_artifact(
         },
         "all_buckets": len(all_buckets),
         "buckets": entries,
+        "score": score,
         "weights": weights_entry,
         "tokenizer": tokenizer_dir,
     }

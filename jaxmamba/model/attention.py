@@ -67,10 +67,6 @@ class Attention(nn.Module):
             v.astype(v_pages.dtype),
             meta.kv_slot_mapping,
         )
-        if meta.forks is not None:  # n > 1: each sample's copy of the prompt's partial page
-            f = meta.forks
-            k_pages = k_pages.at[f.dst_pages].set(k_pages[f.src_pages])
-            v_pages = v_pages.at[f.dst_pages].set(v_pages[f.src_pages])
         o = paged_attention(
             q,
             k_pages,

@@ -158,10 +158,6 @@ class Mamba2Mixer(nn.Module):
             conv_pool = conv_pool.at[pre.track_slots].set(conv_tracked.astype(conv_pool.dtype))
             ssm_pool = ssm_pool.at[pre.state_slots].set(ssm_final.astype(ssm_pool.dtype))
             ssm_pool = ssm_pool.at[pre.track_slots].set(ssm_tracked.astype(ssm_pool.dtype))
-            if meta.forks is not None:  # n > 1: the prompt's end state to its other samples
-                f = meta.forks
-                conv_pool = conv_pool.at[f.dst_slots].set(conv_pool[f.src_slots])
-                ssm_pool = ssm_pool.at[f.dst_slots].set(ssm_pool[f.src_slots])
             outputs.append(y_p.reshape(-1, d_inner))
 
         y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]  # [T, H·P]

@@ -63,9 +63,10 @@ class StepInputs(NamedTuple):
     # i32[T] the prompt token after each prefill token, for prompt_logprobs (-1: not asked);
     # None: the step scores no prompt tokens.
     prompt_logprob_targets: jax.Array | None = None
-    # n > 1 forks: after this step's writes, the state (SSM, conv, sampler penalties) in each
-    # source slot is copied to its destination slot, and each source KV page (a prompt's
-    # partial last page) to its destination page. Unused entries: pad -> pad. None: no forks.
+    # n > 1 forks: the step copies each source slot's sampler penalties to its destination
+    # slot, and `runner.fork_fn`, run after it, the state (SSM, conv) and each source KV page
+    # (a prompt's partial last page) to its destination. Unused entries: pad -> pad. None: no
+    # forks.
     fork_src_slots: jax.Array | None = None  # i32[KF]
     fork_dst_slots: jax.Array | None = None  # i32[KF]
     fork_src_pages: jax.Array | None = None  # i32[KF]
@@ -104,26 +105,17 @@ MAX_DECODE_CHECKPOINTS = 8
 MAX_PREFILL_CHECKPOINTS = 2
 
 # A step scores at most this many prompt tokens for prompt_logprobs (the scheduler caps a
-# request's chunk to it). Their logits share the step's one lm_head matmul with the rows'
-# last tokens; at decode-like M the matmul streams the weights once, so every prefill step
-# scores a fixed block, with no device branch (a lax.cond makes XLA:GPU wait on the host).
+# request's chunk to it): a step with prefill rows keeps their hidden states, and
+# `runner.score_fn`, run after it only when some row asks, computes their logits and top
+# logprobs (a fixed block: one program whatever the bucket).
 MAX_PROMPT_LOGPROB_TOKENS = 128
 
 
 # A step forks at most this many sample slots off the prompts it finishes (n > 1: sample 0
-# prefills, samples 1..n-1 take copies of its end state). Every prefill/mixed step copies this
-# many states per Mamba layer whether they are used or not (a static shape), so it stays small;
-# a request's samples past it resume from the prefix cache instead.
+# prefills, samples 1..n-1 take copies of its end state). `runner.fork_fn` copies this many
+# states per Mamba layer, used or not (a static shape), so it stays small; a request's samples
+# past it resume from the prefix cache instead.
 MAX_FORKS = 4
-
-
-class ForkMetadata(NamedTuple):
-    """Copies made after the step's writes (unused entries: pad slot/page onto itself)."""
-
-    src_slots: jax.Array  # i32[KF]
-    dst_slots: jax.Array  # i32[KF]
-    src_pages: jax.Array  # i32[KF]
-    dst_pages: jax.Array  # i32[KF]
 
 
 class DecodeMetadata(NamedTuple):
@@ -147,7 +139,6 @@ class ForwardMetadata(NamedTuple):
     # The attention kernels' query blocks (`with_attention_blocks`); None: the reference
     # attention, or a model without attention layers.
     attention_blocks: QueryBlocks | None = None
-    forks: ForkMetadata | None = None  # only in steps with prefill rows
 
     def with_attention_blocks(self, num_q_heads: int, num_kv_heads: int, impl: str):
         """This metadata plus the query blocks the attention kernel of ``impl`` cuts the step
@@ -245,13 +236,6 @@ class ForwardMetadata(NamedTuple):
                 tracked=tracked_requests(num_chunks, track_chunks, all_chunks=False),
             )
 
-        forks = None
-        if prefill is not None and inputs.fork_src_slots is not None:
-            forks = ForkMetadata(
-                inputs.fork_src_slots, inputs.fork_dst_slots, inputs.fork_src_pages,
-                inputs.fork_dst_pages,
-            )  # fmt: skip
-
         return ForwardMetadata(
             token_rows=token_rows,
             token_valid=token_valid,
@@ -261,5 +245,4 @@ class ForwardMetadata(NamedTuple):
             last_token_index=last_token_index,
             decode=decode,
             prefill=prefill,
-            forks=forks,
         )

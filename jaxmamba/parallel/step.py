@@ -65,10 +65,37 @@ def tp_logits_fn(params, cache, inputs, *, model, spec, num_decode, mesh_plan):
     )
 
 
+def tp_score_fn(params, prompt_hidden, targets, *, model, spec, mesh_plan):
+    """`runner.score_fn` over the mesh: each device's logits shard, gathered, then the same
+    prompt logprobs on every device."""
+    from jaxmamba.engine.runner import score_fn
+    from jaxmamba.parallel.sharding import param_specs
+
+    body = functools.partial(score_fn, model=model, spec=spec)
+    in_specs = (param_specs(mesh_plan.plan), REPLICATED, REPLICATED)
+    return jax.shard_map(body, mesh=mesh_plan.mesh, in_specs=in_specs, out_specs=REPLICATED,
+                         check_vma=False)(params, prompt_hidden, targets)  # fmt: skip
+
+
+def tp_fork_fn(cache, *forks, model, spec, mesh_plan):
+    """`runner.fork_fn` over the mesh: each device copies its shard of the slots and pages."""
+    from jaxmamba.engine.runner import fork_fn
+    from jaxmamba.parallel.sharding import cache_specs
+
+    body = functools.partial(fork_fn, model=model, spec=spec)
+    specs = cache_specs(mesh_plan.plan, spec, model.dtype)
+    return jax.shard_map(body, mesh=mesh_plan.mesh, in_specs=(specs, *[REPLICATED] * len(forks)),
+                         out_specs=specs, check_vma=False)(cache, *forks)  # fmt: skip
+
+
 jitted_tp_step = jax.jit(
     tp_step_fn,
     static_argnames=("model", "spec", "num_decode", "mesh_plan"),
     donate_argnames=("cache", "slot_state"),
+)
+jitted_tp_score = jax.jit(tp_score_fn, static_argnames=("model", "spec", "mesh_plan"))
+jitted_tp_fork = jax.jit(
+    tp_fork_fn, static_argnames=("model", "spec", "mesh_plan"), donate_argnames=("cache",)
 )
 jitted_tp_logits = jax.jit(
     tp_logits_fn,
@@ -97,9 +124,8 @@ def lower_step(mesh_plan: MeshPlan, param_shapes, spec, inputs, num_decode: int,
     sizing and deviceless compiles over a TPU topology's devices."""
     import jax.numpy as jnp
 
-    from jaxmamba.engine.runner import SlotState
+    from jaxmamba.engine.runner import init_slot_state
     from jaxmamba.model.model import Mamba2HybridLM
-    from jaxmamba.model.sampling import init_penalty_state
     from jaxmamba.parallel.sharding import (
         replicated,
         sharded_cache_shapes,
@@ -111,12 +137,7 @@ def lower_step(mesh_plan: MeshPlan, param_shapes, spec, inputs, num_decode: int,
     model = Mamba2HybridLM(plan.shard_config(), dtype, impl, small_m_impl, plan.layout())
     rep = replicated(mesh)
     on_mesh = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep)  # noqa: E731
-    slot_state = jax.eval_shape(
-        lambda: SlotState(
-            jnp.zeros(spec.num_slots + 1, jnp.int32),
-            init_penalty_state(spec.num_slots, plan.cfg.vocab_size),
-        )
-    )
+    slot_state = jax.eval_shape(lambda: init_slot_state(plan.cfg, spec, dtype))
     args = (
         sharded_param_shapes(plan, param_shapes, mesh),
         sharded_cache_shapes(plan, spec, dtype, mesh),

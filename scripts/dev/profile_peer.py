@@ -1,10 +1,11 @@
-"""Where the peer path's decode step spends its device time: the 9B decode step of
-`../shared/anchors/anchor_torch_e2e.py` (prepared into `.anchors` by its `prepare.sh`),
-captured in a CUDA graph as the anchor times it, then replayed under `torch.profiler`;
-prints kernels a step, busy and span, and every kernel's calls and µs a step, grouped by name
-(the same table `jaxmamba.bench.format_trace_summary` prints for our step).
+"""Where the peer path's steps spend their device time: the 9B steps of
+`../shared/anchors/anchor_torch_e2e.py` (prepared into `.anchors` by its `prepare.sh`) under
+`torch.profiler`. A decode step is captured in a CUDA graph as the anchor times it and
+replayed; a prefill step runs eagerly, as the anchor times it (after the anchor's SSD autotune
+call). Prints kernels a step, busy and span, and every kernel's calls and µs a step, grouped
+by name (the same table `jaxmamba.bench.format_trace_summary` prints for our step).
 
-    python3 scripts/dev/profile_peer_decode.py --peer-dir .anchors --batch 32 256 \
+    python3 scripts/dev/profile_peer.py --peer-dir .anchors --batch 32 256 --prefill 1x2048 \
         --json $OUT/peer_profile.json
 
 The anchor is imported from `--peer-dir` at run time; nothing of it is copied here.
@@ -22,7 +23,8 @@ from jaxmamba.bench import format_trace_summary, kernel_table
 
 
 def profile_graph(torch, replay, replays: int) -> dict:
-    """Kernel events of ``replays`` calls of ``replay`` as one table, per call."""
+    """Kernel events of ``replays`` calls of ``replay`` (a graph replay or an eager step) as
+    one table, per call."""
     from torch.profiler import ProfilerActivity, profile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,7 +43,8 @@ def profile_graph(torch, replay, replays: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--peer-dir", default=".anchors")
-    p.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    p.add_argument("--batch", type=int, nargs="*", default=[32, 256], help="decode cases")
+    p.add_argument("--prefill", nargs="*", default=[], help="prefill cases, BxL (e.g. 1x2048)")
     p.add_argument("--context", type=int, default=520, help="cached tokens a row (the anchor's "
                    "decode case at --decode-context 512, --output-len 16)")  # fmt: skip
     p.add_argument("--replays", type=int, default=10)
@@ -53,7 +56,8 @@ def main() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     c = peer.Cfg()
-    model = peer.Model(c, num_slots=max(args.batch) + 1)
+    prefills = [tuple(int(v) for v in case.split("x")) for case in args.prefill]
+    model = peer.Model(c, num_slots=max([*args.batch, *(b for b, _ in prefills)]) + 1)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": {}}
     for batch in args.batch:
         kv_len = args.context + 1
@@ -91,6 +95,28 @@ def main() -> None:
         )
         print(format_trace_summary(title, dict(summary, top=summary["top"][:40])), flush=True)
         del graph, kv
+        torch.cuda.empty_cache()
+    if prefills:
+        peer.autotune_warmup(model, *max(prefills, key=lambda case: case[0] * case[1]))
+    for batch, length in prefills:
+        gen = torch.Generator(device="cuda").manual_seed(batch * length)
+        ids = torch.randint(0, c.vocab, (batch * length,), device="cuda", generator=gen)
+        meta = peer.PrefillMeta.build([length] * batch, list(range(1, batch + 1)))
+        kv = [tuple(torch.empty(batch, c.kv_heads, length, c.attn_dim, device="cuda",
+                                dtype=torch.bfloat16) for _ in range(2))
+              for _ in range(c.n_attn)]  # fmt: skip
+
+        def prefill(ids=ids, meta=meta, kv=kv):
+            model.prefill(ids, meta, kv)
+
+        for _ in range(2):
+            prefill()
+        torch.cuda.synchronize()
+        summary = profile_graph(torch, prefill, args.replays)
+        record["cases"][f"p{batch}x{length}"] = summary
+        print(format_trace_summary(f"peer prefill {batch}x{length} (eager)",
+                                   dict(summary, top=summary["top"][:40])), flush=True)  # fmt: skip
+        del kv
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
