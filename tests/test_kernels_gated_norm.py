@@ -1,17 +1,20 @@
 """gated_group_rmsnorm: the Pallas GPU kernel in interpret mode vs the reference and float64
 numpy (z read in place from a wider array whose other columns are NaN), its Triton lowering at
-9B shapes, and the dispatcher."""
+9B shapes, the dispatcher, and the model's norm on the kernel vs on the reference."""
 
 from __future__ import annotations
 
 import functools
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmamba import ModelConfig
+from jaxmamba.engine.batch import Bucket
 from jaxmamba.kernels.gated_norm import (
     GpuBlockSizes,
     gated_group_rmsnorm,
@@ -19,6 +22,11 @@ from jaxmamba.kernels.gated_norm import (
     group_pieces,
 )
 from jaxmamba.kernels.gated_norm.gpu import gated_group_rmsnorm_gpu
+from jaxmamba.model import layers
+from jaxmamba.model.layers import GatedGroupRMSNorm
+from jaxmamba.model.params import param_shapes
+
+from model_helpers import builder, make_runner, row
 
 EPS = 1e-5
 # Relative to max |out|: bf16 output rounding (2^-8) dominates; float32 differs in sum order.
@@ -141,3 +149,53 @@ def test_dispatch_and_errors():
         gated_group_rmsnorm(y, z_source, scale[:-1], **kw)
     with pytest.raises(ValueError, match=r"\[T, W\]"):
         gated_group_rmsnorm(y[None], z_source, scale, **kw)
+
+
+def test_layer_keeps_its_parameter_and_matches_on_the_kernel():
+    """The module's parameters are `{"scale": [W]}` whatever the impl, and its kernel path
+    (interpret) gives the reference path's output for z at an offset of a wider array."""
+    y, z_source, _ = _inputs(7, 2, 48, 16, jnp.float32, seed=6)
+    norm = {
+        impl: GatedGroupRMSNorm(2, EPS, jnp.bfloat16, impl=impl) for impl in ("ref", "interpret")
+    }
+    params = norm["ref"].init(jax.random.key(0), y, z_source, 16)
+    assert jax.tree.map(jnp.shape, nn.unbox(params)) == {"params": {"scale": (96,)}}
+    params = {"params": {"scale": jnp.linspace(0.5, 1.5, 96)}}
+    out = {impl: m.apply(params, y, z_source, 16) for impl, m in norm.items()}
+    assert out["interpret"].dtype == jnp.bfloat16
+    _assert_close(out["interpret"], out["ref"].astype(jnp.float32), jnp.bfloat16)
+
+
+def _random_like(tree, rng, scale):
+    return jax.tree.map(lambda a: jnp.asarray(scale * rng.standard_normal(a.shape), a.dtype), tree)
+
+
+def test_model_step_with_norm_kernel_matches_reference(monkeypatch):
+    """The tiny model's mixed step (decode rows and a prefill) with the norm's kernel
+    interpreted, every other op the reference, gives the logits of the reference norm; every
+    Mamba layer calls the kernel once. Random parameters and states (no init trace)."""
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    rng = np.random.default_rng(0)
+    params = _random_like(param_shapes(cfg), rng, 0.1)
+    runners = [make_runner(cfg, params) for _ in range(2)]
+    cache = _random_like(runners[0].cache, rng, 0.5)
+    rows = [row([3], 5, slot=0), row([4], 9, slot=1),
+            row(rng.integers(0, 256, 21).tolist(), 0, slot=2)]  # fmt: skip
+    inputs = builder(runners[0]).build(rows, Bucket(32, 3, 2))
+
+    traced = []
+
+    def interpreted(*args, **kwargs):
+        traced.append(kwargs["impl"])
+        return gated_group_rmsnorm(*args, **{**kwargs, "impl": "interpret"})
+
+    logits = []
+    for i, runner in enumerate(runners):
+        if i == 1:
+            monkeypatch.setattr(layers, "gated_group_rmsnorm", interpreted)
+            jax.clear_caches()  # the step's jit is module-level: trace it again
+        runner.cache = jax.tree.map(jnp.copy, cache)
+        logits.append(np.asarray(runner.forward_logits(inputs, 2))[:23])
+    jax.clear_caches()
+    assert traced == ["auto"] * cfg.num_mamba_layers  # the mixer's impl, one call a layer
+    np.testing.assert_allclose(logits[1], logits[0], atol=2e-5, rtol=1e-4)
