@@ -11,16 +11,17 @@ Notation (dimension letters used in every shape comment):
   Hq, Hkv  query / key-value heads    Dh  attention head dim
   NP  KV pages (+1 pad page)   PS  page size   R  page-table rows   MP  pages per row
   small_m_matmul (a plain matmul) uses its own letters: x [M, K] @ W [K, N]
+  gated_group_rmsnorm: y [T, W] (W = H·P in the mixer) in G groups of W/G columns; z a column
+  range of a wider z_source [T, Wz] (the in_proj output)
 
 Every op is a package laid out alike: ``__init__.py`` (the dispatcher: the public function),
 ``ref.py`` (the plain-jnp ``*_ref`` with float32 accumulation), ``tpu.py`` (Mosaic TPU kernel),
 ``gpu.py`` (Triton-lowered GPU kernel), each kernel with its ``TpuBlockSizes`` /
 ``GpuBlockSizes`` (``get_default``; the conv's two kernels a platform: ``Varlen*`` and
 ``Update*``). What a kernel pair shares beyond the reference sits beside them
-(``ssd/layout.py``, ``attention/blocks.py``); the small-M matmul has no TPU kernel. Every
-public op takes
-``impl="auto"|"ref"|"pallas"|"interpret"|...`` (see ``dispatch.py``); helpers shared by all
-ops are in ``common.py``.
+(``ssd/layout.py``, ``attention/blocks.py``); the small-M matmul and the gated norm have no
+TPU kernel. Every public op takes ``impl="auto"|"ref"|"pallas"|"interpret"|...`` (see
+``dispatch.py``); helpers shared by all ops are in ``common.py``.
 """
 
 from .attention import paged_attention, paged_attention_ref, write_kv
@@ -34,6 +35,7 @@ from .conv1d import (
     token_seq_ids,
 )
 from .dispatch import IMPLS, select_impl
+from .gated_norm import gated_group_rmsnorm, gated_group_rmsnorm_ref
 from .mamba_decode import mamba2_decode, mamba2_decode_ref
 from .matmul import small_m_matmul, small_m_matmul_ref
 from .ssd import ChunkLayout, build_chunk_layout, num_chunks, ssd_varlen, ssd_varlen_ref
@@ -48,6 +50,8 @@ __all__ = [
     "causal_conv1d_varlen",
     "causal_conv1d_varlen_ref",
     "conv_window_indices",
+    "gated_group_rmsnorm",
+    "gated_group_rmsnorm_ref",
     "mamba2_decode",
     "mamba2_decode_ref",
     "num_chunks",

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmamba.kernels.common import matmul_precision
+from jaxmamba.kernels.gated_norm import gated_group_rmsnorm
 from jaxmamba.kernels.matmul import MAX_ROWS, small_m_matmul
 from jaxmamba.parallel.collectives import ShardLayout, group_mean_square
 
@@ -101,19 +102,29 @@ class RMSNorm(nn.Module):
 class GatedGroupRMSNorm(nn.Module):
     """`rmsnorm(y * silu(z))` normalised within `num_groups` equal groups of the last axis;
     with `normalize=False` just `y * silu(z)`, without parameters (Falcon-H1's
-    `mamba_rms_norm=False`). Under tensor parallelism (`tp`) `y`/`z` are one shard's columns
-    and the groups are `tp.norm_group_size` columns wide, whatever `num_groups` says."""
+    `mamba_rms_norm=False`). z is columns `[z_offset, z_offset + W)` of `z_source` (the
+    mixer's in_proj output), which `gated_group_rmsnorm` reads in place on the GPU kernel
+    (`impl`, the mixer's). Under tensor parallelism (`tp`) `y`/`z` are one shard's columns and
+    the groups are `tp.norm_group_size` columns wide, whatever `num_groups` says: that path and
+    `normalize=False` are XLA fusions."""
 
     num_groups: int
     eps: float
     dtype: Dtype = jnp.float32
     normalize: bool = True
     tp: ShardLayout | None = None
+    impl: str = "auto"
 
     @nn.compact
-    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        y: jax.Array,  # [..., W]
+        z_source: jax.Array,  # [..., Wz]
+        z_offset: int = 0,
+    ) -> jax.Array:
         width = y.shape[-1]
         if not self.normalize:
+            z = lax.slice_in_dim(z_source, z_offset, z_offset + width, axis=-1)
             gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
             return gated.astype(self.dtype)
         scale = self.param(
@@ -122,15 +133,22 @@ class GatedGroupRMSNorm(nn.Module):
             (width,),
             jnp.float32,
         )
+        if self.tp is None:
+            out = gated_group_rmsnorm(
+                y.reshape(-1, width),
+                z_source.reshape(-1, z_source.shape[-1]),
+                scale,
+                num_groups=self.num_groups,
+                eps=self.eps,
+                z_offset=z_offset,
+                out_dtype=self.dtype,
+                impl=self.impl,
+            )
+            return out.reshape(y.shape)
+        z = lax.slice_in_dim(z_source, z_offset, z_offset + width, axis=-1)
         y = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        if self.tp is not None:
-            ms = group_mean_square(y.reshape(-1, width), self.tp.norm_group_size, self.tp)
-            return (scale * y * lax.rsqrt(ms.reshape(y.shape) + self.eps)).astype(self.dtype)
-        grouped = y.reshape(*y.shape[:-1], self.num_groups, width // self.num_groups)
-        grouped = grouped * lax.rsqrt(
-            jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps
-        )
-        return (scale * grouped.reshape(y.shape)).astype(self.dtype)
+        ms = group_mean_square(y.reshape(-1, width), self.tp.norm_group_size, self.tp)
+        return (scale * y * lax.rsqrt(ms.reshape(y.shape) + self.eps)).astype(self.dtype)
 
 
 def activate(h: jax.Array, activation: str) -> jax.Array:

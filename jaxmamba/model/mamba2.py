@@ -95,7 +95,8 @@ class Mamba2Mixer(nn.Module):
             self.small_m_impl,
             name="in_proj",
         )(x)
-        z, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
+        # z (columns [0, d_inner)): the norm reads it from zxbcdt in place.
+        _, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
 
         weight, bias = DepthwiseConvWeights(
             K, conv_dim, cfg.use_conv_bias, self.dtype, name="conv1d"
@@ -162,8 +163,8 @@ class Mamba2Mixer(nn.Module):
 
         y = jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]  # [T, H·P]
         y = GatedGroupRMSNorm(
-            G, cfg.norm_eps, self.dtype, cfg.mamba_rms_norm, self.tp, name="norm"
-        )(y, z)
+            G, cfg.norm_eps, self.dtype, cfg.mamba_rms_norm, self.tp, self.impl, name="norm"
+        )(y, zxbcdt, 0)
         out = Linear(
             cfg.hidden_size,
             ("mamba_inner", "embed"),
