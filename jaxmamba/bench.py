@@ -9,6 +9,7 @@ timed to the last step's completion — how the engine runs them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -353,11 +354,34 @@ def kernel_table(kernels: list[dict], steps: int, top: int | None = None) -> dic
         if kernels else 0.0
     )  # fmt: skip
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    # Idle time before each kernel (from the previous kernel's end), by the kernel that ends
+    # it: where the device waited, for a launch or the host. The `steps` largest gaps are
+    # the waits between steps (the host reading each step's output), listed apart.
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    pairs = itertools.pairwise(ordered)
+    gaps = sorted(((max(0.0, b["ts"] - a["ts"] - a["dur"]), b["name"]) for a, b in pairs),
+                  reverse=True)  # fmt: skip
+    between, within = gaps[: steps - 1], gaps[steps - 1 :]
+    idle: dict[str, list[float]] = {}
+    for gap, name in within:
+        idle.setdefault(name, []).append(gap)
+    idle_ranked = sorted(idle.items(), key=lambda kv: -sum(kv[1]))[:8]
     return {
         "steps": steps,
         "kernels_per_step": len(kernels) / steps,
         "busy_us_per_step": busy / steps,
         "span_us_per_step": span / steps,
+        "idle_between_steps_us": [round(g, 1) for g, _ in between],
+        "idle_within_us_per_step": sum(g for g, _ in within) / steps,
+        "idle_before": [
+            {
+                "name": n[:90],
+                "gaps_per_step": len(g) / steps,
+                "us_per_step": sum(g) / steps,
+                "largest_us": max(g),
+            }
+            for n, g in idle_ranked
+        ],  # fmt: skip
         "top": [
             {
                 "name": n[:90],
@@ -383,4 +407,12 @@ def format_trace_summary(title: str, summary: dict) -> str:
             f"| `{k['name']}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.0f} | "
             f"{k['share']:.1%} |"
         )
+    if "idle_before" in summary:
+        lines.append(
+            f"idle inside a step: {summary['idle_within_us_per_step'] / 1e3:.2f} ms; between "
+            f"steps: {summary['idle_between_steps_us']} µs. Idle before (µs a step, gaps, "
+            "largest): " + "; ".join(
+                f"`{k['name'][:40]}` {k['us_per_step']:.0f} ({k['gaps_per_step']:.1f}, "
+                f"{k['largest_us']:.0f})" for k in summary["idle_before"])
+        )  # fmt: skip
     return "\n".join(lines)
