@@ -251,3 +251,44 @@ def test_decode_rows_must_carry_one_token_and_only_they_read_the_device():
         BUILDER.build(rows, Bucket(8, 3, 1))
     with pytest.raises(ValueError, match="row 1 has no tokens"):
         BUILDER.build([RowSpec([1], 3, 0, [0]), RowSpec([], 0, 1, [2])], Bucket(8, 3, 1))
+
+
+@pytest.mark.parametrize("bucket", [Bucket(16, 4, 0), Bucket(4, 4, 4)])
+def test_packed_inputs_are_one_buffer_that_unpacks_to_every_field_bit_for_bit(bucket):
+    """The runner hands a step one int32 buffer (one host→device copy); inside the step it
+    unpacks to the builder's fields with their shapes, dtypes and bits (NaN payloads, large
+    uint32 seeds, negative ids, bools), and fields a bucket leaves out stay None."""
+    import jax
+
+    from jaxmamba.model.metadata import PackedStepInputs
+
+    rng = np.random.default_rng(3)
+    inputs = BUILDER.padding(bucket)
+    noisy = {}
+    for name, value in zip(inputs._fields, inputs, strict=True):
+        if value is None:
+            continue
+        a = np.asarray(value)
+        if a.dtype == np.float32:
+            a = rng.standard_normal(a.shape).astype(np.float32)
+            a.flat[0] = np.float32("nan")
+        elif a.dtype == np.uint32:
+            a = rng.integers(2**31, 2**32, a.shape, dtype=np.uint32)
+        elif a.dtype == np.int32:
+            a = rng.integers(-(2**31), 2**31 - 1, a.shape, dtype=np.int32)
+        else:
+            a = rng.random(a.shape) < 0.5
+        noisy[name] = a
+    inputs = inputs._replace(**noisy)
+    packed = PackedStepInputs.pack(inputs)
+    assert len(jax.tree.leaves(packed)) == 1 and packed.buffer.dtype == np.int32
+    unpacked = jax.jit(lambda p: p.unpack())(packed)
+    for name, value in zip(inputs._fields, inputs, strict=True):
+        got = getattr(unpacked, name)
+        if value is None:
+            assert got is None, name
+            continue
+        got = np.asarray(got)
+        assert got.dtype == np.asarray(value).dtype and got.shape == np.shape(value), name
+        np.testing.assert_array_equal(got.view(np.uint8), np.asarray(value).view(np.uint8),
+                                      err_msg=name)  # fmt: skip

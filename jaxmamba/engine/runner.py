@@ -34,7 +34,12 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import CacheSpec, StateCache, cache_shapes, init_cache
-from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS, ForwardMetadata, StepInputs
+from jaxmamba.model.metadata import (
+    MAX_PROMPT_LOGPROB_TOKENS,
+    ForwardMetadata,
+    PackedStepInputs,
+    StepInputs,
+)
 from jaxmamba.model.sampling import (
     MAX_LOGPROBS,
     Penalties,
@@ -208,6 +213,8 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     hidden states of the prefill tokens that ask for prompt_logprobs (`SlotState.
     prompt_hidden`, for `score_fn`); forks' state copies are `fork_fn`'s."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
+    if isinstance(inputs, PackedStepInputs):
+        inputs = inputs.unpack()
     meta = build_metadata(model, spec, inputs, num_decode)
     input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
     hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
@@ -437,8 +444,9 @@ class ModelRunner:
         targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
             packed, self.cache, self.slot_state = self._jit_step(
-                self.params, self.cache, self.slot_state, self._put_inputs(inputs),
-                num_decode=num_decode, **kwargs, **self._static,
+                self.params, self.cache, self.slot_state,
+                self._put_inputs(PackedStepInputs.pack(inputs)), num_decode=num_decode,
+                **kwargs, **self._static,
             )  # fmt: skip
             if forks:
                 self.cache = self._jit_fork(self.cache, *self._put_inputs(fork_inputs(inputs)),
@@ -452,10 +460,13 @@ class ModelRunner:
     def step_args(self, inputs: StepInputs, num_decode: int, sampler: str = FULL
                   ) -> tuple[tuple, dict]:  # fmt: skip
         """`(args, kwargs)` of `jitted_step` (or the tensor-parallel `jitted_tp_step`) for
-        these inputs (lowering, export: the FULL sampler, as `step` calls it)."""
+        these inputs, packed as `step` passes them (lowering, export: the FULL sampler, as
+        `step` calls it)."""
         kwargs = dict(num_decode=num_decode, **self._static)
         if sampler != FULL:
             kwargs["sampler"] = sampler
+        if isinstance(inputs, StepInputs):
+            inputs = PackedStepInputs.pack(inputs)
         return (self.params, self.cache, self.slot_state, inputs), kwargs
 
     def programs(self, buckets) -> list[tuple]:
@@ -473,7 +484,9 @@ class ModelRunner:
         from concurrent.futures import ThreadPoolExecutor
 
         programs = self.programs(buckets)
-        inputs = [self._put_inputs(build_inputs(bucket)) for bucket, _ in programs]
+        inputs = [
+            self._put_inputs(PackedStepInputs.pack(build_inputs(bucket))) for bucket, _ in programs
+        ]
 
         def compile_one(program, x):
             bucket, sampler = program

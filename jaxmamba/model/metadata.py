@@ -20,10 +20,12 @@ into the pad slot.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmamba.kernels.attention import QueryBlocks, attention_query_blocks
 from jaxmamba.kernels.conv1d import TokenStarts, token_starts
@@ -31,7 +33,8 @@ from jaxmamba.kernels.ssd import ChunkLayout, TrackedRequests, build_chunk_layou
 
 
 class StepInputs(NamedTuple):
-    """Fixed-shape arrays the host fills for one step; moved with a single `device_put`."""
+    """Fixed-shape arrays the host fills for one step; the runner moves them as one buffer
+    (`PackedStepInputs`)."""
 
     input_ids: jax.Array  # i32[T]
     tokens_from_device: jax.Array  # bool[B] decode row's input is its slot's last sampled token
@@ -71,6 +74,66 @@ class StepInputs(NamedTuple):
     fork_dst_slots: jax.Array | None = None  # i32[KF]
     fork_src_pages: jax.Array | None = None  # i32[KF]
     fork_dst_pages: jax.Array | None = None  # i32[KF]
+
+
+def _to_i32(a: np.ndarray) -> np.ndarray:
+    if a.dtype == np.bool_:
+        return a.astype(np.int32)
+    if a.dtype in (np.int32, np.uint32, np.float32):
+        return a.view(np.int32)
+    raise TypeError(f"a step input of dtype {a.dtype}: expected int32, uint32, float32 or bool")
+
+
+def _from_i32(x: jax.Array, dtype: str) -> jax.Array:
+    if dtype == "bool":
+        return x != 0
+    if dtype == "int32":
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedStepInputs:
+    """A step's `StepInputs` as one int32 buffer (floats and uint32 bit-cast, bools 0/1), and
+    the static layout that reads them back (`unpack`, inside the step). Handing the step one
+    array means one host→device copy a step: each of the ~25 fields was a copy of its own,
+    and a 9B prefill step on the H200 waited ~2 ms for them before its first kernel
+    (docs/benchmarks.md). The layout is the pytree's static part, so a bucket's steps share
+    one program."""
+
+    def __init__(self, buffer, layout: tuple):
+        self.buffer = buffer  # i32[N]
+        self.layout = layout  # ((field, shape, dtype name), ...) of the fields present
+
+    def tree_flatten(self):
+        return (self.buffer,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children[0], layout)
+
+    @classmethod
+    def pack(cls, inputs: StepInputs) -> PackedStepInputs:
+        """Host side: every field present, flattened into one buffer."""
+        layout, parts = [], []
+        for name, value in zip(inputs._fields, inputs, strict=True):
+            if value is None:
+                continue
+            a = np.asarray(value)
+            layout.append((name, a.shape, a.dtype.name))
+            parts.append(_to_i32(a).ravel())
+        return cls(np.concatenate(parts), tuple(layout))
+
+    def unpack(self) -> StepInputs:
+        """Device side: the fields, sliced at static offsets (XLA folds each into its
+        readers)."""
+        fields, offset = {}, 0
+        for name, shape, dtype in self.layout:
+            size = math.prod(shape)
+            flat = self.buffer[offset : offset + size]
+            fields[name] = _from_i32(flat, dtype).reshape(shape)
+            offset += size
+        return StepInputs(**fields)
 
 
 class PrefillMetadata(NamedTuple):
