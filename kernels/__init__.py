@@ -20,11 +20,12 @@ Every op is a package laid out alike: ``__init__.py`` (the dispatcher: the publi
 (``ssd/layout.py``, ``attention/blocks.py``); the small-M matmul has no TPU kernel. Every
 public op takes
 ``impl="auto"|"ref"|"pallas"|"interpret"|...`` (see ``dispatch.py``); helpers shared by all
-ops are in ``common.py``.
+ops are in ``common.py``, among them ``ColumnView``: an operand held as columns of a wider
+array (Mamba2's in_proj and conv outputs), which the prefill ops' GPU kernels read in place.
 """
 
 from .attention import paged_attention, paged_attention_ref, write_kv
-from .common import process_dt
+from .common import ColumnView, process_dt
 from .conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
@@ -42,6 +43,7 @@ from .state_update import selective_state_update, selective_state_update_ref
 __all__ = [
     "IMPLS",
     "ChunkLayout",
+    "ColumnView",
     "build_chunk_layout",
     "causal_conv1d_update",
     "causal_conv1d_update_ref",
