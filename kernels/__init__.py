@@ -21,11 +21,13 @@ Every op is a package laid out alike: ``__init__.py`` (the dispatcher: the publi
 ``Update*``). What a kernel pair shares beyond the reference sits beside them
 (``ssd/layout.py``, ``attention/blocks.py``); the small-M matmul and the gated norm have no
 TPU kernel. Every public op takes ``impl="auto"|"ref"|"pallas"|"interpret"|...`` (see
-``dispatch.py``); helpers shared by all ops are in ``common.py``.
+``dispatch.py``); helpers shared by all ops are in ``common.py``, among them ``ColumnView``:
+an operand held as columns of a wider array (Mamba2's in_proj and conv outputs), which the
+prefill ops' GPU kernels read in place.
 """
 
 from .attention import paged_attention, paged_attention_ref, write_kv
-from .common import process_dt
+from .common import ColumnView, process_dt
 from .conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
@@ -44,6 +46,7 @@ from .state_update import selective_state_update, selective_state_update_ref
 __all__ = [
     "IMPLS",
     "ChunkLayout",
+    "ColumnView",
     "build_chunk_layout",
     "causal_conv1d_update",
     "causal_conv1d_update_ref",

@@ -1,6 +1,6 @@
 """Helpers the ops share: dt processing and SiLU, matmul precision, tile arithmetic, the
-Mosaic TPU lane/sublane moves, shape checks, interpret mode, and `pallas_call`, which hands
-equal kernel calls one traced and lowered kernel.
+Mosaic TPU lane/sublane moves, shape checks, interpret mode, column views of packed arrays,
+and `pallas_call`, which hands equal kernel calls one traced and lowered kernel.
 
 Plain jnp/lax, so the device-side helpers (``softplus``, ``silu``, ``process_dt``, ``dot``)
 lower through XLA, Mosaic TPU and Triton alike.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 import threading
 import types
@@ -125,6 +126,81 @@ def check_optional_shapes(**arrays: tuple[jax.Array | None, tuple[int, ...]]) ->
     for name, (arr, shape) in arrays.items():
         if arr is not None and arr.shape != shape:
             raise ValueError(f"expected {name} {shape}, got {arr.shape}")
+
+
+def aligned(start, *parts: int):
+    """``start`` (a sum of multiples of ``parts``) with the alignment Triton can rely on: the
+    hint that lets it vectorise a load at a column offset it cannot see through."""
+    return pl.multiple_of(start, functools.reduce(math.gcd, parts))
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["array"], meta_fields=["start", "inner"]
+)
+@dataclasses.dataclass(frozen=True)
+class ColumnView:
+    """A ``[T, *inner]`` operand held as columns ``[start, start + prod(inner))`` of a wider
+    ``[T, W]`` array: the xBC and dt columns of Mamba2's in_proj output, the x, B and C
+    columns of the conv output.
+
+    A kernel's custom call takes whole arrays, so a slice in front of one is a copy. The GPU
+    kernels read a view's columns in place (``start`` is static); the references and the TPU
+    kernels (whose BlockSpecs tile whole arrays) take ``materialize``'s slice. Build one with
+    ``ColumnView.of``, which checks it."""
+
+    array: jax.Array  # [T, W]
+    start: int
+    inner: tuple[int, ...]
+
+    @classmethod
+    def of(cls, array: jax.Array, start: int, inner: tuple[int, ...]) -> ColumnView:
+        inner = tuple(int(n) for n in inner)
+        if array.ndim != 2 or not 0 <= start <= array.shape[1] - math.prod(inner):
+            raise ValueError(
+                f"a column view of {inner} (= {math.prod(inner)} columns) at column {start} "
+                f"needs a [T, W] array with W >= {start + math.prod(inner)}; got {array.shape}"
+            )
+        return cls(array, int(start), inner)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.array.shape[0], *self.inner)
+
+    @property
+    def ndim(self) -> int:
+        return 1 + len(self.inner)
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.inner)
+
+    def materialize(self) -> jax.Array:  # [T, *inner]
+        cols = lax.slice_in_dim(self.array, self.start, self.start + self.width, axis=1)
+        return cols.reshape(self.shape)
+
+    def take_rows(self, rows: jax.Array) -> jax.Array:  # [*rows.shape, *inner]
+        """Rows ``rows`` of the operand: a gather of whole rows of the wide array, then their
+        columns, so no copy of the wide array is made whether or not XLA fuses a slice into a
+        gather (for the few rows of the conv windows)."""
+        picked = self.array[rows][..., self.start : self.start + self.width]
+        return picked.reshape(*rows.shape, *self.inner)
+
+
+def as_view(a: jax.Array | ColumnView) -> ColumnView:
+    """``a`` as a column view: a plain ``[T, ...]`` array is all the columns of itself
+    flattened to ``[T, prod(...)]`` (a bitcast, no copy)."""
+    if isinstance(a, ColumnView):
+        return a
+    return ColumnView(a.reshape(a.shape[0], -1), 0, tuple(a.shape[1:]))
+
+
+def as_array(a: jax.Array | ColumnView) -> jax.Array:
+    """``a`` as a plain ``[T, ...]`` array (a view's slice)."""
+    return a.materialize() if isinstance(a, ColumnView) else a
 
 
 def tpu_interpret_params(interpret):

@@ -13,7 +13,7 @@ time, while in the engine's decode step the host runs ahead and a kernel costs i
 time. That span is what compares with SGLang's graph replay.
 
     PYTHONPATH=$PWD/.sgl python scripts/bench_kernels.py --reps 10 [--sweep] \\
-        [--cases state_update,conv_prefill,conv_update,ssd,attention,matmul,gated_norm]
+        [--cases state_update,conv_prefill,conv_update,ssd,column_views,attention,matmul,gated_norm]
     python scripts/bench_kernels.py --smoke      # CPU: interpret mode, toy shapes
 
 Setup, SGLang's files and the timing method: see ``bench_common.py``.

@@ -13,6 +13,15 @@ initial states read once, y and final states written once) and the FLOPs.
     python scripts/bench_ssd.py [--ssd-cases "1x8192,8x2048 init"] [--sweep] [--reps 30]
     python scripts/bench_ssd.py --smoke      # CPU: interpret mode, toy shapes
 
+Case ``column_views``: one Mamba layer's prefill kernels (the conv, then the scan) from its
+in_proj output ``[T, H·P + conv_dim + H]`` at 1x2048 and 8x2048, as the mixer calls them (x,
+B, C, dt as column views of the in_proj and conv outputs, read in place: "ours") against the
+same ops on separate arrays sliced out first (variant "separate arrays": the slices are
+copies in front of the kernels); ``--views-profile`` also lists each form's kernels from a
+profiler trace (run it last: torch cannot capture CUDA graphs after the profiler).
+
+    python scripts/bench_ssd.py --cases column_views [--views-profile] [--reps 30]
+
 ``--sweep`` first times the block-size variants of ``STATE_SWEEP`` (the state pass alone)
 and then ``OUT_SWEEP`` (the full call, on the best state pass) on ``--sweep-case``, and runs
 the cases with the best of each. Setup, SGLang and the timing method: ``bench_common.py``.
@@ -29,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba.kernels import build_chunk_layout, ssd_varlen
+from jaxmamba.kernels import ColumnView, build_chunk_layout, causal_conv1d_varlen, ssd_varlen
 from jaxmamba.kernels.ssd.gpu import GpuBlockSizes, ssd_varlen_gpu
 
 LENGTHS = {
@@ -52,6 +61,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--ssd-cases", default=None, help="SSD cases (LENGTHS' names, comma-separated; all)"
     )
     parser.add_argument("--sweep-case", default=None, help="the case --sweep times (the first)")
+    parser.add_argument(
+        "--views-profile",
+        action="store_true",
+        help="column_views: also list each form's kernels from a profiler trace",
+    )
 
 
 def lengths_of(args) -> dict[str, list[int]]:
@@ -251,7 +265,139 @@ def run(args, table: bc.Table) -> None:
         bench_case(name, args, table, best)
 
 
-CASES = {"ssd": run}
+# --------------------------------------------------------------------------- column views
+
+VIEW_LENGTHS = {"1x2048": [2048], "8x2048 init": [2048] * 8}
+SMOKE_VIEW_LENGTHS = {"1x64": [64], "ragged init": [40, 3, 0, 21]}
+
+
+def layer_prefill_program(s: bc.MambaShapes, lengths: list[int], impl: str, views: bool):
+    """One Mamba layer's conv and scan from its in_proj output ``[T, z | xBC | dt]``, as the
+    mixer's prefill runs them (initial states, one tracked state a sequence). ``views``: xBC
+    and dt are column views of the in_proj output, x, B and C of the conv output; otherwise
+    they are sliced out first (copies in front of the kernels)."""
+    h, p, g, n = s.heads, s.head_dim, s.groups, s.state
+    d_inner, conv_dim = h * p, h * p + 2 * g * n
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    layout = build_chunk_layout(cu, sum(lengths), s.chunk)
+    wanted = layout.seq_last_chunk.astype(jnp.int32)
+
+    def run(zxbcdt, weight, bias, init_conv, A, D, dt_bias, init_ssm):
+        if views:
+            xbc = ColumnView.of(zxbcdt, d_inner, (conv_dim,))
+            dt = ColumnView.of(zxbcdt, d_inner + conv_dim, (h,))
+        else:
+            _, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=1)
+        out, conv_final, _ = causal_conv1d_varlen(
+            xbc, weight, bias, cu, initial_states=init_conv, impl=impl
+        )
+        if views:
+            x = ColumnView.of(out, 0, (h, p))
+            B, C = (ColumnView.of(out, d_inner + i * g * n, (g, n)) for i in range(2))
+        else:
+            x, B, C = jnp.split(out, [d_inner, d_inner + g * n], axis=1)
+            x, B, C = x.reshape(-1, h, p), B.reshape(-1, g, n), C.reshape(-1, g, n)
+        y, final, tracked = ssd_varlen(
+            x, dt, A, B, C, cu, chunk_size=s.chunk, D=D, dt_bias=dt_bias, dt_softplus=True,
+            initial_states=init_ssm, layout=layout, state_chunks=wanted, impl=impl,
+        )  # fmt: skip
+        return y, conv_final, final, tracked
+
+    return jax.jit(run)
+
+
+def layer_prefill_inputs(s: bc.MambaShapes, lengths: list[int], rng) -> tuple[list, list]:
+    """Two in_proj outputs (rotated: more than the L2 cache between calls of one) and the
+    other arguments: conv weights, initial conv and SSM states (half of them zero), A, D, dt
+    bias."""
+    t, seqs = sum(lengths), len(lengths)
+    h, p, g, n, k = s.heads, s.head_dim, s.groups, s.state, s.conv_width
+    conv_dim = h * p + 2 * g * n
+    width = h * p + conv_dim + h
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    zxbcdts = [jnp.asarray(normal(t, width), bc.ACT) for _ in range(2)]
+    half = (np.arange(seqs) < seqs // 2)[:, None, None]
+    init_conv, init_ssm = normal(seqs, k - 1, conv_dim), normal(seqs, h, p, n, scale=0.1)
+    init_conv, init_ssm = np.where(half, 0.0, init_conv), np.where(half[..., None], 0.0, init_ssm)
+    rest = [
+        jnp.asarray(normal(k, conv_dim, scale=0.5), bc.ACT),
+        jnp.asarray(normal(conv_dim, scale=0.1), bc.ACT),
+        jnp.asarray(init_conv, bc.ACT),
+        jnp.asarray(-np.exp(rng.uniform(-1.5, 0.5, h)), jnp.float32),
+        jnp.asarray(normal(h), jnp.float32),
+        jnp.asarray(rng.uniform(-2.0, 0.0, h), jnp.float32),
+        jnp.asarray(init_ssm, jnp.float32),
+    ]
+    return zxbcdts, rest
+
+
+def kernels_of(fn, args) -> str:
+    """The kernels of one call of ``fn``, from a profiler trace."""
+    import tempfile
+
+    from jaxmamba.bench import format_trace_summary, summarize_trace
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(fn(*args))
+        return format_trace_summary("one call", summarize_trace(trace_dir, 1, top=None))
+
+
+def bench_column_views(name: str, lengths: list[int], args, table: bc.Table, rng) -> None:
+    """One case: both forms checked against the reference, then the views (ours), the
+    separate arrays (a variant) and the reference timed."""
+    s = bc.MAMBA_SMOKE if args.smoke else bc.MAMBA_9B
+    impl = bc.kernel_impl(args)
+    zxbcdts, rest = layer_prefill_inputs(s, lengths, rng)
+    real = sum(lengths)
+    views = layer_prefill_program(s, lengths, impl, views=True)
+    separate = layer_prefill_program(s, lengths, impl, views=False)
+    ref = layer_prefill_program(s, lengths, "ref", views=False)
+    want = ref(zxbcdts[0], *rest)
+
+    def checked(label, fn):
+        got = fn(zxbcdts[0], *rest)
+        for what, ours, theirs in zip(("y", "conv final", "final", "tracked"), got, want,
+                                      strict=True):  # fmt: skip
+            if what == "y":
+                ours, theirs = ours[:real], theirs[:real]
+            bc.check(f"layer prefill {name} {label} {what}", ours, theirs, TOL)
+
+    def timed(fn):
+        turn = iter(range(1 << 30))
+        return bc.median_time(lambda: fn(zxbcdts[next(turn) % 2], *rest), args.reps, calls=10)
+
+    checked("views", views)
+    checked("separate arrays", separate)
+    conv_bytes = 2 * real * (s.heads * s.head_dim + 2 * s.groups * s.state) * 2
+    row = bc.Row(
+        f"layer prefill {name} (views)",
+        ours=timed(views),
+        xla=timed(ref),
+        roof=bc.roofline(conv_bytes) + roofline(s, lengths, with_init=True),
+    )
+    bc.time_variants(row, {"separate arrays": lambda: timed(separate)})
+    if "separate arrays" in row.variants:
+        sep = row.variants["separate arrays"]
+        print(f"    views save {(sep - row.ours) * 1e6:.1f} us a layer (separate / views = "
+              f"{sep / row.ours:.3f})")  # fmt: skip
+    table.add(row)
+    if args.views_profile and not args.smoke:  # the profiler sees no device kernels on CPU
+        for label, fn in (("views", views), ("separate arrays", separate)):
+            print(f"\n{name}, {label}: {kernels_of(fn, [zxbcdts[0], *rest])}", flush=True)
+
+
+def run_column_views(args, table: bc.Table) -> None:
+    rng = np.random.default_rng(3)
+    for name, lengths in (SMOKE_VIEW_LENGTHS if args.smoke else VIEW_LENGTHS).items():
+        bench_column_views(name, lengths, args, table, rng)
+
+
+CASES = {"ssd": run, "column_views": run_column_views}
 
 if __name__ == "__main__":
     bc.main_for(__doc__, CASES, add_args)

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba.kernels import causal_conv1d_update, causal_conv1d_varlen
+from jaxmamba.kernels import ColumnView, causal_conv1d_update, causal_conv1d_varlen
+from jaxmamba.kernels.conv1d import windows_at
+from jaxmamba.kernels.conv1d.ref import final_and_tracked_states
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 LENGTHS = [1, 7, 0, 8, 9, 29, 0, 3]  # chunk-ish sizes 1, C-1, C, C+1, 3C+5 for C=8; empty rows
@@ -174,3 +176,37 @@ def test_conv_impl_dispatch_and_shape_errors():
         causal_conv1d_varlen(x, weight, bias, cu, initial_states=jnp.ones((1, 2, 6)))
     with pytest.raises(ValueError, match="conv_state"):
         causal_conv1d_update(jnp.ones((3, 2, 6)), x[:2], weight, bias, jnp.asarray([0, 1]))
+
+
+def test_conv_windows_read_a_column_view_as_its_slice():
+    """The checkpoint windows (gathers of whole rows of the wide array, then the view's
+    columns) equal those of the sliced array; the other columns are NaN."""
+    rng = np.random.default_rng(5)
+    lengths = [5, 0, 13, 2]
+    x, _, _, init = _inputs(rng, lengths, 10, 4, jnp.float32, pad=3)
+    nan = np.full((x.shape[0], 3), np.nan, np.float32)
+    view = ColumnView.of(jnp.asarray(np.concatenate([nan, x, nan], 1)), 3, (10,))
+    np.testing.assert_array_equal(view.materialize(), x)
+    cu = jnp.asarray(_cu(lengths))
+    seqs, ends = jnp.asarray([0, 2, 2, 1, 3]), jnp.asarray([2, 13, 0, 0, 1])
+    track = jnp.asarray([5, 0, 7, 1])
+
+    @jax.jit
+    def windows(a):  # the checkpoint windows, the final and the tracked ones
+        final, tracked = final_and_tracked_states(a, init, cu, track, 3)
+        return windows_at(a, init, cu, seqs, ends, 3), final, tracked
+
+    for ours, theirs in zip(windows(view), windows(x), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_column_views_that_do_not_fit_are_rejected():
+    wide = jnp.zeros((4, 20), jnp.float32)
+    with pytest.raises(ValueError, match=r"W >= 24"):
+        ColumnView.of(wide, 8, (2, 8))
+    with pytest.raises(ValueError, match=r"\[T, W\] array"):
+        ColumnView.of(jnp.zeros((4, 2, 10)), 0, (10,))
+    with pytest.raises(ValueError, match=r"weight \(4, 6\)"):  # 8 columns, 6 channels
+        causal_conv1d_varlen(
+            ColumnView.of(wide, 2, (8,)), jnp.ones((4, 6)), None, jnp.asarray([0, 4], jnp.int32)
+        )

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmamba.kernels import (
+    ColumnView,
     causal_conv1d_update,
     causal_conv1d_update_ref,
     causal_conv1d_varlen,
@@ -110,6 +111,37 @@ def test_conv_varlen_kernel_matches_reference_and_numpy(
         assert ours.dtype == ref.dtype
         np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
         np.testing.assert_allclose(np.asarray(ours, np.float32), ref_np, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "kernel, start",
+    # 40: a multiple of 8 (as the in_proj output's xBC is: 16-byte rows on the GPU); 5: not.
+    [("ref", 40), ("tpu", 40), ("gpu", 40), ("gpu", 5), ("gpu_tile_loop", 5)],
+)
+def test_conv_varlen_reads_a_column_view_in_place(kernel, start):
+    """x as D columns of a wider array whose other columns are NaN (a read of a wrong column
+    is NaN): the same outputs, bit for bit, as from x alone. Tokens 32..63 are an interior
+    span for the GPU kernels' default tiles, and two channel blocks cover D."""
+    rng = np.random.default_rng(start)
+    lengths, dim, width = [3, 0, 70, 6, 1], 128, 4
+    real = sum(lengths)
+    x = rng.standard_normal((real + 3, dim)).astype(np.float32)
+    x[real:] = np.nan
+    wide = np.full((x.shape[0], start + dim + 24), np.nan, np.float32)
+    wide[:, start : start + dim] = x
+    x, wide = jnp.asarray(x, jnp.bfloat16), jnp.asarray(wide, jnp.bfloat16)
+    weight = jnp.asarray(rng.standard_normal((width, dim)) / np.sqrt(width), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+    init = jnp.asarray(rng.standard_normal((len(lengths), width - 1, dim)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    track_ends = jnp.asarray([rng.integers(0, n + 1) for n in lengths], jnp.int32)
+    fn = causal_conv1d_varlen_ref if kernel == "ref" else VARLEN[kernel]
+    kw = dict(initial_states=init, track_ends=track_ends)
+    viewed = fn(ColumnView.of(wide, start, (dim,)), weight, bias, cu, **kw)
+    plain = fn(x, weight, bias, cu, **kw)
+    np.testing.assert_array_equal(np.asarray(viewed[0][:real]), np.asarray(plain[0][:real]))
+    for ours, theirs in zip(viewed[1:], plain[1:], strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
 def test_conv_varlen_dispatch_runs_tpu_kernel_in_interpret_mode():

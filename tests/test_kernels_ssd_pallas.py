@@ -10,7 +10,7 @@ import pytest
 from jax import export
 from test_kernels_ssd import LENGTHS, PAD, _cu, _f64, _inputs, _recurrence
 
-from jaxmamba.kernels import build_chunk_layout, ssd_varlen, ssd_varlen_ref
+from jaxmamba.kernels import ColumnView, build_chunk_layout, ssd_varlen, ssd_varlen_ref
 from jaxmamba.kernels.ssd.gpu import GpuBlockSizes, ssd_varlen_gpu
 from jaxmamba.kernels.ssd.layout import tracked_requests
 from jaxmamba.kernels.ssd.tpu import ssd_varlen_tpu
@@ -24,6 +24,7 @@ STATE_TOL = {jnp.float32: 2e-4, jnp.bfloat16: 2e-2}
 REF = jax.jit(ssd_varlen_ref, static_argnames=("chunk_size", "return_chunk_states"))
 SSD = jax.jit(ssd_varlen, static_argnames=("chunk_size", "return_chunk_states", "impl"))
 KERNELS = {
+    "ref": REF,
     "tpu": functools.partial(ssd_varlen_tpu, interpret=True),  # pltpu.InterpretParams()
     "gpu": functools.partial(ssd_varlen_gpu, interpret=True),
     # Several head-dim and state slices in the state pass (the last state slice partly
@@ -114,6 +115,87 @@ def test_kernel_matches_reference_with_state_chunks(kernel):
     np.testing.assert_allclose(tracked, ref[2][wanted], rtol=1e-5, atol=1e-5)
     none = _call(kernel, inp, cu, **{**kwargs, "state_chunks": jnp.zeros((0,), jnp.int32)})[2]
     assert none.shape == (0, *final.shape[1:])
+
+
+def _column_views(inp):
+    """x, B, C as column views of one array laid out as the conv output (x | B | C) between
+    NaN columns, z and dt of another (NaN | z | NaN | dt | NaN), as the in_proj output holds
+    them: a read of a wrong column is NaN or another operand's value."""
+
+    def pack(parts):  # parts: arrays [T, ...] or widths of NaN columns
+        t = inp["x"].shape[0]
+        cols = [np.full((t, p), np.nan, np.float32) if isinstance(p, int)
+                else np.asarray(p, np.float32).reshape(t, -1) for p in parts]  # fmt: skip
+        wide = jnp.asarray(np.concatenate(cols, axis=1), inp["x"].dtype)
+        views, start = [], 0
+        for part, col in zip(parts, cols, strict=True):
+            if not isinstance(part, int):
+                views.append(ColumnView.of(wide, start, part.shape[1:]))
+            start += col.shape[1]
+        return views
+
+    x, b, c = pack([3, inp["x"], inp["B"], inp["C"], 5])
+    z, dt = pack([2, inp["z"], 7, inp["dt"], 1])
+    return {**inp, "x": x, "B": b, "C": c, "z": z, "dt": dt}
+
+
+def _assert_same_scan(ours, theirs, real):
+    """Bit for bit: y over the real tokens, the final and the tracked states."""
+    (y, final, tracked), (y_t, final_t, tracked_t) = ours, theirs
+    np.testing.assert_array_equal(_f64(y)[:real], _f64(y_t)[:real])
+    np.testing.assert_array_equal(final, final_t)
+    np.testing.assert_array_equal(tracked, tracked_t)
+
+
+def _view_case(case, seed, lengths=LENGTHS):
+    """The case's inputs (NaN padding tokens), and a call of a kernel on them from unaligned
+    starts with initial states and repeated tracked chunks."""
+    dtype, heads, head_dim, groups, state, _, _ = CASES[case]
+    inp = _inputs(np.random.default_rng(seed), lengths, heads, head_dim, groups, state, dtype)
+    cu = _cu(lengths)
+    starts = np.random.default_rng(seed).integers(0, 100, len(lengths)).astype(np.int32)
+    layout = jax.jit(build_chunk_layout, static_argnums=(1, 2))(
+        jnp.asarray(cu), int(cu[-1]) + PAD, CHUNK, jnp.asarray(starts)
+    )
+    # Every sequence's last chunk (an empty one's: the chunk before), and chunk 0 again.
+    wanted = jnp.concatenate([layout.seq_last_chunk, jnp.zeros((1,), jnp.int32)])
+
+    def call(kernel, arrays):
+        return _call(kernel, arrays, cu, init=inp["init"], starts=starts, state_chunks=wanted)
+
+    return inp, call
+
+
+@pytest.mark.parametrize(
+    "kernel, case",
+    # P 80 in two pieces (64 + 16) a program; P 10 in 4-row blocks and N 12 in 8-row ones,
+    # the last of each running past the operand's columns, masked.
+    [("gpu", "bf16_p80_g2_init_unaligned"), ("gpu_blocks", "f32_h6_g3_init_unaligned")],
+)
+def test_gpu_kernels_read_column_views_in_place(kernel, case):
+    """x, B, C, dt and z as columns of wider arrays whose other columns are NaN: the same
+    outputs, bit for bit, as from separate arrays, and the reference's."""
+    inp, call = _view_case(case, seed=3)
+    views = _column_views(inp)
+    ours = call(kernel, views)
+    real = _cu(LENGTHS)[-1]
+    _assert_same_scan(ours, call(kernel, inp), real)
+    ref = call("ref", views)
+    dtype = CASES[case][0]
+    tol, stol = Y_TOL[dtype], STATE_TOL[dtype]
+    np.testing.assert_allclose(_f64(ours[0])[:real], _f64(ref[0])[:real], rtol=tol, atol=tol)
+    for state, state_ref in zip(ours[1:], ref[1:], strict=True):
+        np.testing.assert_allclose(state, state_ref, rtol=stol, atol=stol)
+
+
+def test_reference_and_tpu_kernel_take_column_views():
+    """They slice the views: the same outputs, bit for bit, as from separate arrays."""
+    lengths = [5, 0, 11]
+    inp, call = _view_case("f32_h6_g3_init_unaligned", seed=4, lengths=lengths)
+    views = _column_views(inp)
+    real = _cu(lengths)[-1]
+    for kernel in ("ref", "tpu"):
+        _assert_same_scan(call(kernel, views), call(kernel, inp), real)
 
 
 @pytest.mark.parametrize("kernel", GPU_VARIANTS)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
+from jaxmamba.kernels import ColumnView
 from jaxmamba.kernels.conv1d import causal_conv1d_varlen, windows_at
 from jaxmamba.kernels.mamba_decode import mamba2_decode
 from jaxmamba.kernels.ssd import ssd_varlen
@@ -95,8 +96,7 @@ class Mamba2Mixer(nn.Module):
             self.small_m_impl,
             name="in_proj",
         )(x)
-        # z (columns [0, d_inner)): the norm reads it from zxbcdt in place.
-        _, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
+        # z (columns [0, d_inner)): the gated norm reads it from zxbcdt in place.
 
         weight, bias = DepthwiseConvWeights(
             K, conv_dim, cfg.use_conv_bias, self.dtype, name="conv1d"
@@ -111,11 +111,6 @@ class Mamba2Mixer(nn.Module):
             "D", nn.with_logical_partitioning(nn.initializers.ones, ("mamba_heads",)), (H,)
         )
         A = -jnp.exp(a_log.astype(jnp.float32))
-
-        def split_xbc(v):  # [..., conv_dim] -> x [..., H, P], B/C [..., G, N]
-            xs, b, c = jnp.split(v, [d_inner, d_inner + G * N], axis=-1)
-            lead = v.shape[:-1]
-            return xs.reshape(*lead, H, P), b.reshape(*lead, G, N), c.reshape(*lead, G, N)
 
         outputs = []
         bd = 0 if meta.decode is None else meta.decode.state_slots.shape[0]  # decode tokens
@@ -134,7 +129,13 @@ class Mamba2Mixer(nn.Module):
 
         if meta.prefill is not None:
             pre = meta.prefill
-            xbc_p = xbc[bd:]
+            # The kernels' inputs are column views: xBC and dt of the in_proj output, x, B and
+            # C of the conv output. The GPU kernels read them in place (a slice in front of a
+            # kernel's custom call is a copy); the references and TPU kernels slice them.
+            # Behind decode rows the prefill rows start at row bd: one copy of their xBC | dt.
+            packed, col = (zxbcdt, d_inner) if bd == 0 else (zxbcdt[bd:, d_inner:], 0)
+            xbc_p = ColumnView.of(packed, col, (conv_dim,))
+            dt_p = ColumnView.of(packed, col + conv_dim, (H,))
             has_init = pre.has_initial_state
             init_conv = jnp.where(has_init[:, None, None], conv_pool[pre.init_slots], 0)
             # The conv checkpoints are windows of this layer's pre-conv input: one gather for
@@ -142,14 +143,16 @@ class Mamba2Mixer(nn.Module):
             conv_tracked = windows_at(
                 xbc_p, init_conv, pre.cu_seqlens, pre.track_rows, pre.track_ends, K - 1
             )
-            xbc_p, conv_final, _ = causal_conv1d_varlen(
+            conv_out, conv_final, _ = causal_conv1d_varlen(
                 xbc_p, weight, bias, pre.cu_seqlens, initial_states=init_conv,
                 activation="silu", starts=pre.conv_starts, impl=self.impl,
             )  # fmt: skip
-            x_p, b_p, c_p = split_xbc(xbc_p)
+            x_p = ColumnView.of(conv_out, 0, (H, P))
+            b_p = ColumnView.of(conv_out, d_inner, (G, N))
+            c_p = ColumnView.of(conv_out, d_inner + G * N, (G, N))
             init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[pre.init_slots], 0)
             y_p, ssm_final, ssm_tracked = ssd_varlen(
-                x_p, dt[bd:], A, b_p, c_p, pre.cu_seqlens,
+                x_p, dt_p, A, b_p, c_p, pre.cu_seqlens,
                 chunk_size=cfg.chunk_size, D=d_skip, dt_bias=dt_bias, dt_softplus=True,
                 dt_limit=tuple(cfg.time_step_limit), initial_states=init_ssm.astype(jnp.float32),
                 start_positions=pre.start_positions, layout=pre.layout,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from ..common import ColumnView
 from ..dispatch import select_impl
 from .gpu import causal_conv1d_update_gpu, causal_conv1d_varlen_gpu
 from .ref import (
@@ -56,7 +57,7 @@ def _check_conv_shapes(x, weight, bias, initial_states, num_seqs, activation):
 
 
 def causal_conv1d_varlen(
-    x: jax.Array,  # [T, D] activation dtype
+    x: jax.Array | ColumnView,  # [T, D] activation dtype
     weight: jax.Array,  # [K, D]
     bias: jax.Array | None,  # [D] or None
     cu_seqlens: jax.Array,  # i32[S+1] monotone; tokens >= cu_seqlens[-1] are padding
@@ -73,6 +74,9 @@ def causal_conv1d_varlen(
     the final window is the K-1 inputs before position ``len_s`` (the initial state for an
     empty sequence); ``tracked`` is the window before position ``track_ends[s]``. States
     have the dtype of ``initial_states`` (float32 without).
+
+    ``x`` may be a ``ColumnView`` (D columns of a wider array, e.g. the in_proj output): the
+    GPU kernel reads it in place, the reference and the TPU kernel take its slice.
     """
     num_seqs = cu_seqlens.shape[0] - 1
     _check_conv_shapes(x, weight, bias, initial_states, num_seqs, activation)

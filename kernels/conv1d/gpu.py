@@ -16,6 +16,11 @@ token's sequence start, plus the initial-state terms (``ref.initial_state_terms`
 ``[S, K-1, D]`` from XLA) for the first K-1 tokens of each sequence. Each token's sequence
 start (an O(T) XLA op) comes in beside x; the final and tracked windows are O(S·K·D) gathers
 done in XLA beside the kernel.
+
+x may be D columns of a wider array (a ``ColumnView``: the xBC columns of the in_proj
+output), read in place at its static column offset, where a slice would be a copy in front of
+the kernel. The 16-byte accesses need that offset and the array's row width to be multiples
+of 8 bf16 elements (the 9B's 10240 and 22656 are); otherwise Triton splits the accesses.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import pallas_call, pow2_divisor
+from ..common import ColumnView, aligned, as_view, pallas_call, pow2_divisor
 from ..common import silu as exact_silu
 from .ref import (
     TokenStarts,
@@ -171,14 +176,16 @@ def _interior_span(start_ref, t0, span: int, k: int, num_tokens: int) -> jax.Arr
 
 
 def _varlen_kernel(
-    k, bt, bd, tiles, act, has_bias, has_init, num_tokens,
+    k, bt, bd, tiles, act, has_bias, has_init, num_tokens, x_col,
     seq_ref, start_ref, x_ref, w_ref, *rest,
 ):  # fmt: skip
     rest = list(rest)
     bias_ref = rest.pop(0) if has_bias else None
     terms_ref = rest.pop(0) if has_init else None  # f32[S * (K-1), D]: initial_state_terms
     (y_ref,) = rest
-    d = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    d0 = pl.program_id(1) * bd
+    d = pl.ds(pl.multiple_of(d0, bd), bd)
+    xd = pl.ds(aligned(x_col + d0, x_col, bd), bd)  # the same channels of x [T, W]
     w = [w_ref[tap, d].astype(_F32) for tap in range(k)]  # tap K-1: the token
     b = jnp.zeros((bd,), _F32) if bias_ref is None else bias_ref[d].astype(_F32)
 
@@ -192,7 +199,7 @@ def _varlen_kernel(
 
     def interior():  # the span as 1-D rows, the window carried from tile to tile
         def row(t):
-            return x_ref[t, d].astype(_F32)
+            return x_ref[t, xd].astype(_F32)
 
         def body(j, window):
             t0 = pl.multiple_of(t_first + j * bt, bt)
@@ -211,7 +218,7 @@ def _varlen_kernel(
         taps = []
         for tap in range(k):
             src = t - (k - 1) + tap
-            from_x = x_ref[jnp.clip(src, 0, num_tokens - 1), d]
+            from_x = x_ref[jnp.clip(src, 0, num_tokens - 1), xd]
             taps.append(jnp.where((src >= start)[:, None], from_x.astype(_F32), 0.0))
         acc = convolve(b[None, :], [weight[None, :] for weight in w], taps)
         if terms_ref is not None:  # the initial-state taps of each sequence's first K-1 tokens
@@ -236,7 +243,7 @@ def _varlen_kernel(
 
 
 def causal_conv1d_varlen_gpu(
-    x: jax.Array,  # [T, D]
+    x: jax.Array | ColumnView,  # [T, D], or D columns of a wider array, read in place
     weight: jax.Array,  # [K, D]
     bias: jax.Array | None,  # [D]
     cu_seqlens: jax.Array,  # i32[S+1]
@@ -249,6 +256,7 @@ def causal_conv1d_varlen_gpu(
     block_sizes: VarlenGpuBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     bs = block_sizes or VarlenGpuBlockSizes.get_default()
+    x = as_view(x)
     num_tokens, dim = x.shape
     k = weight.shape[0]
     bt, bd = bs.tokens, pow2_divisor(dim, bs.channels)
@@ -257,7 +265,7 @@ def causal_conv1d_varlen_gpu(
     kernel = functools.partial(
         _varlen_kernel,
         k, bt, bd, bs.tiles, _activation(activation, x.dtype, interpret),
-        bias is not None, initial_states is not None, num_tokens,
+        bias is not None, initial_states is not None, num_tokens, x.start,
     )  # fmt: skip
     if starts is None:
         starts = token_starts(cu_seqlens, num_tokens)
@@ -274,6 +282,6 @@ def causal_conv1d_varlen_gpu(
         compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="causal_conv1d_varlen",
-    )(seq, start, x, weight, *optional)
+    )(seq, start, x.array, weight, *optional)
     final, tracked = final_and_tracked_states(x, initial_states, cu_seqlens, track_ends, k - 1)
     return y, final, tracked

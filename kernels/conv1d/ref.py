@@ -12,6 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..common import ColumnView, as_array, as_view
+
 ACTIVATIONS = (None, "silu", "swish")
 
 
@@ -89,7 +91,7 @@ def check_token_starts(starts: TokenStarts, num_tokens: int) -> None:
 
 
 def state_windows(
-    x: jax.Array,  # [T, D]
+    x: jax.Array | ColumnView,  # [T, D]
     initial_states: jax.Array | None,  # [S, width, D]
     cu_seqlens: jax.Array,  # i32[S+1]
     ends: jax.Array,  # i32[S] relative positions
@@ -100,7 +102,8 @@ def state_windows(
     num_tokens = x.shape[0]
     p = ends[:, None] - width + jnp.arange(width, dtype=jnp.int32)  # [S, width]
     if num_tokens:
-        from_x = x[jnp.clip(cu_seqlens[:-1, None] + p, 0, num_tokens - 1)].astype(jnp.float32)
+        rows = jnp.clip(cu_seqlens[:-1, None] + p, 0, num_tokens - 1)
+        from_x = as_view(x).take_rows(rows).astype(jnp.float32)
     else:  # no tokens: every window lies in the initial state
         from_x = jnp.zeros(p.shape + x.shape[1:], jnp.float32)
     if initial_states is None:
@@ -115,7 +118,7 @@ def state_windows(
 
 
 def windows_at(
-    x: jax.Array,  # [T, D]
+    x: jax.Array | ColumnView,  # [T, D]
     initial_states: jax.Array,  # [S, width, D]
     cu_seqlens: jax.Array,  # i32[S+1]
     seqs: jax.Array,  # i32[W] sequence of each window
@@ -128,7 +131,7 @@ def windows_at(
     num_tokens = x.shape[0]
     p = ends[:, None] - width + jnp.arange(width, dtype=jnp.int32)  # [W, width]
     if num_tokens:
-        from_x = x[jnp.clip(cu_seqlens[seqs][:, None] + p, 0, num_tokens - 1)]
+        from_x = as_view(x).take_rows(jnp.clip(cu_seqlens[seqs][:, None] + p, 0, num_tokens - 1))
     else:
         from_x = jnp.zeros(p.shape + x.shape[1:], x.dtype)
     from_state = initial_states[seqs[:, None], jnp.clip(width + p, 0, width - 1)]
@@ -137,7 +140,7 @@ def windows_at(
 
 
 def final_and_tracked_states(
-    x: jax.Array,  # [T, D]
+    x: jax.Array | ColumnView,  # [T, D]
     initial_states: jax.Array | None,  # [S, K-1, D]
     cu_seqlens: jax.Array,  # i32[S+1]
     track_ends: jax.Array | None,  # i32[S]
@@ -166,7 +169,7 @@ def initial_state_terms(weight: jax.Array, initial_states: jax.Array) -> jax.Arr
 
 
 def causal_conv1d_varlen_ref(
-    x: jax.Array,  # [T, D]
+    x: jax.Array | ColumnView,  # [T, D]
     weight: jax.Array,  # [K, D]
     bias: jax.Array | None,  # [D]
     cu_seqlens: jax.Array,  # i32[S+1]
@@ -176,6 +179,7 @@ def causal_conv1d_varlen_ref(
     activation: str | None = "silu",
     starts: TokenStarts | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    x = as_array(x)
     num_tokens, dim = x.shape
     num_seqs = cu_seqlens.shape[0] - 1
     k = weight.shape[0]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import pallas_call, round_up, silu, tpu_interpret_params
+from ..common import ColumnView, as_array, pallas_call, round_up, silu, tpu_interpret_params
 from .ref import (
     TokenStarts,
     check_token_starts,
@@ -172,7 +172,7 @@ def _varlen_kernel(
 
 
 def causal_conv1d_varlen_tpu(
-    x: jax.Array,  # [T, D]
+    x: jax.Array | ColumnView,  # [T, D]
     weight: jax.Array,  # [K, D]
     bias: jax.Array | None,  # [D]
     cu_seqlens: jax.Array,  # i32[S+1]
@@ -185,6 +185,7 @@ def causal_conv1d_varlen_tpu(
     block_sizes: VarlenTpuBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     bs = block_sizes or VarlenTpuBlockSizes.get_default()
+    x = as_array(x)  # the BlockSpecs tile a whole array
     num_tokens, dim = x.shape
     num_seqs = cu_seqlens.shape[0] - 1
     k = weight.shape[0]

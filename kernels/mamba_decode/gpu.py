@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..common import largest_divisor, pallas_call, pow2_divisor, process_dt
+from ..common import aligned, largest_divisor, pallas_call, pow2_divisor, process_dt
 from ..conv1d.gpu import UpdateGpuBlockSizes
 from ..conv1d.gpu import silu as conv_silu
 from ..state_update.gpu import GpuBlockSizes as StateGpuBlockSizes
@@ -66,11 +65,6 @@ class GpuBlockSizes:
             return cls(UpdateGpuBlockSizes.get_default(), StateGpuBlockSizes.get_default(rows))
         return cls(UpdateGpuBlockSizes(channels=1024, num_warps=4),
                    StateGpuBlockSizes(tiles=1, state=64, num_warps=2))  # fmt: skip
-
-
-def _aligned(start, *parts: int):
-    """``start`` (a sum of multiples of ``parts``) with the alignment Triton can rely on."""
-    return pl.multiple_of(start, functools.reduce(math.gcd, parts))
 
 
 def _store_tracked(target, pad_slot: int, store) -> None:
@@ -109,7 +103,7 @@ def _conv_kernel(
     d0 = pl.program_id(1) * bd
     d = pl.ds(pl.multiple_of(d0, bd), bd)
     slot, target = slots_ref[row], track_ref[row] if tracking else None
-    x = zx_ref[row, pl.ds(_aligned(lay.xbc_col + d0, lay.xbc_col, bd), bd)]
+    x = zx_ref[row, pl.ds(aligned(lay.xbc_col + d0, lay.xbc_col, bd), bd)]
     window = [state_ref[slot, tap, d] for tap in range(k - 1)] + [x.astype(state_ref.dtype)]
     acc = jnp.zeros((bd,), _F32)
     for tap in range(k):
@@ -158,9 +152,9 @@ def _state_kernel(
     # Every load is issued before anything waits on one, the state first (as in
     # state_update.gpu): the slot is then the only latency in front of the state.
     h = [[state_ref[slot, head, p, n] for n in ns] for p in ps]
-    xs = [xbc_ref[row, pl.ds(_aligned(head * p_dim + p0, p_dim, bp), bp)] for p0 in p_starts]
-    bs = [xbc_ref[row, pl.ds(_aligned(b_col + n.start, lay.b_col, n_dim, bn), bn)] for n in ns]
-    cs = [xbc_ref[row, pl.ds(_aligned(c_col + n.start, lay.c_col, n_dim, bn), bn)] for n in ns]
+    xs = [xbc_ref[row, pl.ds(aligned(head * p_dim + p0, p_dim, bp), bp)] for p0 in p_starts]
+    bs = [xbc_ref[row, pl.ds(aligned(b_col + n.start, lay.b_col, n_dim, bn), bn)] for n in ns]
+    cs = [xbc_ref[row, pl.ds(aligned(c_col + n.start, lay.c_col, n_dim, bn), bn)] for n in ns]
     dt = zx_ref[row, lay.dt_col + head]
     bias = None if bias_ref is None else bias_ref[head]
     skip = None if d_ref is None else d_ref[head].astype(_F32)
@@ -183,7 +177,7 @@ def _state_kernel(
             y = y + jnp.sum(hij * cs[j].astype(_F32)[None, :], axis=1)
         if skip is not None:
             y = y + skip * x
-        y_ref[row, pl.ds(_aligned(head * p_dim + p_starts[i], p_dim, bp), bp)] = y.astype(
+        y_ref[row, pl.ds(aligned(head * p_dim + p_starts[i], p_dim, bp), bp)] = y.astype(
             y_ref.dtype
         )
 

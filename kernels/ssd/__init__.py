@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from ..common import check_optional_shapes, process_dt
+from ..common import ColumnView, check_optional_shapes, process_dt
 from ..dispatch import select_impl
 from .gpu import ssd_varlen_gpu
 from .layout import ChunkLayout, TrackedRequests, build_chunk_layout, num_chunks, tracked_requests
@@ -32,16 +32,16 @@ __all__ = [
 
 
 def ssd_varlen(
-    x: jax.Array,  # [T, H, P] activation dtype
-    dt: jax.Array,  # [T, H] raw dt (before bias/softplus)
+    x: jax.Array | ColumnView,  # [T, H, P] activation dtype
+    dt: jax.Array | ColumnView,  # [T, H] raw dt (before bias/softplus)
     A: jax.Array,  # [H] negative (A = -exp(A_log))
-    B: jax.Array,  # [T, G, N]
-    C: jax.Array,  # [T, G, N]
+    B: jax.Array | ColumnView,  # [T, G, N]
+    C: jax.Array | ColumnView,  # [T, G, N]
     cu_seqlens: jax.Array,  # i32[S+1] monotone; tokens >= cu_seqlens[-1] are padding
     *,
     chunk_size: int,
     D: jax.Array | None = None,  # [H]
-    z: jax.Array | None = None,  # [T, H, P]
+    z: jax.Array | ColumnView | None = None,  # [T, H, P]
     dt_bias: jax.Array | None = None,  # [H]
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
@@ -64,6 +64,10 @@ def ssd_varlen(
     return_chunk_states)``, built once per step for every layer (else each call builds it).
     States have the dtype of ``initial_states`` (float32
     without); an empty sequence's final state is its initial state.
+
+    ``x``, ``dt``, ``B``, ``C`` and ``z`` may each be a ``ColumnView`` (its columns of a wider
+    array: x, B and C of the conv output, dt of the in_proj output): the GPU kernels read them
+    in place, the reference and the TPU kernel take their slices.
 
     ``impl`` (see ``dispatch``): the kernels are ``tpu.ssd_varlen_tpu`` (Mosaic TPU; also what
     "interpret" runs, under ``pltpu.InterpretParams()``) and ``gpu.ssd_varlen_gpu`` (Triton).

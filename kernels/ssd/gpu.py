@@ -31,6 +31,13 @@ starting at the chunk's first token: no regrouping pass, no padding copy. Triton
 power-of-two blocks: N is padded to a power of two, and the head dim is covered by
 power-of-two pieces (80 = 64 + 16), both masked, never padded in memory.
 
+The kernels read x, B, C, dt and z as column ranges of 2-D ``[T, W]`` arrays, each at a static
+first column (``ColumnView``): x, B and C straight from the conv output ``[T, H·P + 2·G·N]`` and
+dt from the in_proj output, with no slice copies in front of the kernels; separate arrays are
+the views of themselves at column 0 (``[T, H, P]`` read as ``[T, H·P]``, a bitcast). A head's
+column range is ``first + h·P``, a group's ``first + g·N``: with first columns and row widths
+that are multiples of 8 bf16 elements (the 9B's are) the tiles' rows stay 16-byte aligned.
+
 Why the Triton lowering: a chunk is a window of C rows at any token offset, which masked
 pointer loads express directly; Mosaic GPU's TMA/WGMMA path wants tile-aligned windows (a
 regrouping copy of x). Mosaic GPU was not measured for this op. The design and its
@@ -43,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +58,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import MIN_DOT_DIM, dot, pallas_call, pow2_at_least, process_dt, round_up, silu
+from ..common import (
+    MIN_DOT_DIM,
+    ColumnView,
+    as_view,
+    dot,
+    pallas_call,
+    pow2_at_least,
+    process_dt,
+    round_up,
+    silu,
+)
 from .layout import (
     ChunkLayout,
     TrackedRequests,
@@ -102,6 +120,16 @@ class GpuBlockSizes:
         return cls()
 
 
+class _Columns(NamedTuple):
+    """The first column of x, B, C and z in the 2-D array the state and output passes read
+    each from (the dt pass takes dt's)."""
+
+    x: int
+    b: int
+    c: int
+    z: int
+
+
 def _pieces(n: int) -> tuple[tuple[int, int], ...]:
     """``(offset, size)`` power-of-two pieces (each >= MIN_DOT_DIM) that cover ``n``."""
     remaining = round_up(n, MIN_DOT_DIM)
@@ -119,12 +147,13 @@ def _dt_kernel(
     bias_ref,  # f32[H]
     lo_ref,  # i32[NC] first token of each chunk
     count_ref,  # i32[NC] tokens in each chunk
-    dt_ref,  # [T, H] raw dt
+    dt_ref,  # [T, Wdt] raw dt [T, H] in columns [dt_col, dt_col + H)
     dt_out_ref,  # f32[NC, H, C] processed dt, zero at empty positions
     cum_out_ref,  # f32[NC, H, C] inclusive cumsum of dt * A
     weight_out_ref,  # f32[NC, H, C] dt exp(cum[-1] - cum): weight in the chunk's end state
     *,
     chunk_size: int,
+    dt_col: int,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
 ):
@@ -135,7 +164,8 @@ def _dt_kernel(
     def _():
         pos = jnp.arange(chunk_size)
         t_ok = pos < count
-        dt = plgpu.load(dt_ref.at[pl.ds(lo_ref[chunk], chunk_size), h], mask=t_ok, other=0.0)
+        rows = pl.ds(lo_ref[chunk], chunk_size)
+        dt = plgpu.load(dt_ref.at[rows, dt_col + h], mask=t_ok, other=0.0)
         dt = process_dt(dt, bias_ref[h], dt_softplus, dt_limit)
         dt = jnp.where(t_ok, dt, 0.0)  # empty positions: no decay
         cum = lax.cumsum(dt * a_ref[h], axis=0)
@@ -156,8 +186,8 @@ def _state_kernel(
     order_ref,  # i32[max(K, 1)]
     cum_ref,  # f32[NC, H, C]
     weight_ref,  # f32[NC, H, C]
-    x_ref,  # [T, H, P]
-    b_ref,  # [T, G, N]
+    x_ref,  # [T, Wx] x [T, H, P] in columns [cols.x, cols.x + H·P)
+    b_ref,  # [T, Wb] B [T, G, N] in columns [cols.b, cols.b + G·N)
     *rest,
     chunk_size: int,
     head_dim: int,
@@ -167,6 +197,7 @@ def _state_kernel(
     block_n: int,
     p_pieces: tuple[tuple[int, int], ...],
     has_init: bool,
+    cols: _Columns,
 ):
     rest = list(rest)
     init_ref = rest.pop(0) if has_init else None
@@ -190,6 +221,9 @@ def _state_kernel(
     def pn_mask(p_ok):  # [P piece, N slice]: the layout of the states in and out
         return p_ok[:, None] & n_ok[None, :]
 
+    b_cols = pl.ds(cols.b + g * state_size + nb * block_n, block_n)
+    x_cols = [pl.ds(cols.x + h * head_dim + p.start, p.size) for p, _ in pieces]
+
     def chunk_factors(chunk):
         """The position weights and end-of-chunk decay of one chunk, and the range of
         ``order`` naming the tracked rows its end state fills (empty: not tracked)."""
@@ -203,10 +237,10 @@ def _state_kernel(
         offset = jnp.where(j == 0, 0, first_count + (j - 1) * chunk_size)
         rows = pl.ds(start + offset, chunk_size)
         t_ok = pos < length - offset
-        b = plgpu.load(b_ref.at[rows, g, n_slice], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+        b = plgpu.load(b_ref.at[rows, b_cols], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
         xs = [
-            plgpu.load(x_ref.at[rows, h, p_slice], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-            for p_slice, p_ok in pieces
+            plgpu.load(x_ref.at[rows, x_col], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+            for x_col, (_, p_ok) in zip(x_cols, pieces, strict=True)
         ]
         return b.astype(x_ref.dtype), xs
 
@@ -273,9 +307,9 @@ def _output_kernel(
     d_ref,  # f32[H]
     lo_ref,  # i32[NC]
     count_ref,  # i32[NC]
-    x_ref,  # [T, H, P]
-    b_ref,  # [T, G, N]
-    c_ref,  # [T, G, N]
+    x_ref,  # [T, Wx] x [T, H, P] in columns [cols.x, cols.x + H·P)
+    b_ref,  # [T, Wb] B [T, G, N] in columns [cols.b, cols.b + G·N)
+    c_ref,  # [T, Wc] C [T, G, N] in columns [cols.c, cols.c + G·N)
     dt_ref,  # f32[NC, H, C] processed dt, zero at empty positions
     cum_ref,  # f32[NC, H, C] cumsum of dt * A
     entering_ref,  # [NC, H, N, P] state entering each chunk
@@ -288,8 +322,9 @@ def _output_kernel(
     block_m: int,
     block_n: int,
     has_z: bool,
+    cols: _Columns,
 ):
-    z_ref = rest[0] if has_z else None
+    z_ref = rest[0] if has_z else None  # [T, Wz] z [T, H, P] in columns [cols.z, cols.z + H·P)
     y_ref = rest[-1]
     hb, mb, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     count = count_ref[chunk]
@@ -302,6 +337,8 @@ def _output_kernel(
         dot_dtype = x_ref.dtype
         n_ok = jnp.arange(block_n) < state_size
         n_slice = pl.ds(0, block_n)
+        b_cols = pl.ds(cols.b + g * state_size, block_n)
+        c_cols = pl.ds(cols.c + g * state_size, block_n)
         pieces = [
             (pl.ds(off, size), off + jnp.arange(size) < head_dim) for off, size in _pieces(head_dim)
         ]
@@ -312,10 +349,10 @@ def _output_kernel(
         i_ok, j_ok = i_pos < count, j_pos < jnp.minimum(count, (mb + 1) * block_m)
         causal = i_pos[:, None] >= j_pos[None, :]
         c_i = plgpu.load(
-            c_ref.at[rows_i, g, n_slice], mask=i_ok[:, None] & n_ok[None, :], other=0.0
+            c_ref.at[rows_i, c_cols], mask=i_ok[:, None] & n_ok[None, :], other=0.0
         ).astype(dot_dtype)
         b = plgpu.load(
-            b_ref.at[rows_j, g, n_slice], mask=j_ok[:, None] & n_ok[None, :], other=0.0
+            b_ref.at[rows_j, b_cols], mask=j_ok[:, None] & n_ok[None, :], other=0.0
         ).astype(dot_dtype)
         cb = dot(c_i, b, (1, 1))  # [block_m, C], shared by the group's heads
         # Where source row j is target row i: D's entries of the matrix.
@@ -330,8 +367,9 @@ def _output_kernel(
             m = jnp.where(diagonal, m + d_ref[h], m).astype(dot_dtype)
             decay_i = jnp.exp(cum_i)[:, None]
             for p_slice, p_ok in pieces:
+                x_col = pl.ds(cols.x + h * head_dim + p_slice.start, p_slice.size)
                 x_j = plgpu.load(
-                    x_ref.at[rows_j, h, p_slice], mask=j_ok[:, None] & p_ok[None, :], other=0.0
+                    x_ref.at[rows_j, x_col], mask=j_ok[:, None] & p_ok[None, :], other=0.0
                 )
                 s_in = plgpu.load(
                     entering_ref.at[chunk, h, n_slice, p_slice],
@@ -341,8 +379,9 @@ def _output_kernel(
                 inter = dot(c_i, s_in)
                 y = inter * decay_i + dot(m, x_j)
                 if z_ref is not None:
+                    z_col = pl.ds(cols.z + h * head_dim + p_slice.start, p_slice.size)
                     zv = plgpu.load(
-                        z_ref.at[rows_i, h, p_slice], mask=i_ok[:, None] & p_ok[None, :], other=0.0
+                        z_ref.at[rows_i, z_col], mask=i_ok[:, None] & p_ok[None, :], other=0.0
                     ).astype(jnp.float32)
                     y = y * silu(zv)
                 plgpu.store(
@@ -367,16 +406,16 @@ def _output_kernel(
     ),
 )
 def ssd_varlen_gpu(
-    x: jax.Array,  # [T, H, P]
-    dt: jax.Array,  # [T, H]
+    x: jax.Array | ColumnView,  # [T, H, P]
+    dt: jax.Array | ColumnView,  # [T, H]
     A: jax.Array,  # [H]
-    B: jax.Array,  # [T, G, N]
-    C: jax.Array,  # [T, G, N]
+    B: jax.Array | ColumnView,  # [T, G, N]
+    C: jax.Array | ColumnView,  # [T, G, N]
     cu_seqlens: jax.Array,  # i32[S+1]
     *,
     chunk_size: int,
     D: jax.Array | None = None,  # [H]
-    z: jax.Array | None = None,  # [T, H, P]
+    z: jax.Array | ColumnView | None = None,  # [T, H, P]
     dt_bias: jax.Array | None = None,  # [H]
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
@@ -390,6 +429,9 @@ def ssd_varlen_gpu(
     block_sizes: GpuBlockSizes | None = None,
 ):
     """Same contract as :func:`jaxmamba.kernels.ssd.ssd_varlen`."""
+    x, dt, B, C = (as_view(a) for a in (x, dt, B, C))
+    z = None if z is None else as_view(z)
+    cols = _Columns(x.start, B.start, C.start, 0 if z is None else z.start)
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -427,6 +469,7 @@ def ssd_varlen_gpu(
         functools.partial(
             _dt_kernel,
             chunk_size=chunk_size,
+            dt_col=dt.start,
             dt_softplus=dt_softplus,
             dt_limit=tuple(float(v) for v in dt_limit),
         ),
@@ -440,7 +483,7 @@ def ssd_varlen_gpu(
         jnp.zeros((num_heads,), f32) if dt_bias is None else dt_bias.astype(f32),
         token_lo,
         token_count,
-        dt,
+        dt.array,
     )
 
     # Pass 1: the serial walk over each sequence's chunks, carrying only the states.
@@ -459,8 +502,8 @@ def ssd_varlen_gpu(
         requests.order,
         cum_chunks,
         weight_chunks,
-        x,
-        B,
+        x.array,
+        B.array,
     ]
     if initial_states is not None:
         state_operands.append(initial_states)
@@ -476,6 +519,7 @@ def ssd_varlen_gpu(
             block_n=state_block_n,
             p_pieces=p_pieces,
             has_init=initial_states is not None,
+            cols=cols,
         ),
         grid=(
             num_heads,
@@ -499,15 +543,15 @@ def ssd_varlen_gpu(
         jnp.zeros((num_heads,), f32) if D is None else D.astype(f32),
         token_lo,
         token_count,
-        x,
-        B,
-        C,
+        x.array,
+        B.array,
+        C.array,
         dt_chunks,
         cum_chunks,
         entering,
     ]
     if z is not None:
-        out_operands.append(z)
+        out_operands.append(z.array)
     y = pallas_call(
         functools.partial(
             _output_kernel,
@@ -519,6 +563,7 @@ def ssd_varlen_gpu(
             block_m=block_m,
             block_n=block_n,
             has_z=z is not None,
+            cols=cols,
         ),
         grid=(num_heads // out_heads, chunk_size // block_m, nc),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),

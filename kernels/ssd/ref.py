@@ -6,21 +6,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..common import process_dt
+from ..common import ColumnView, as_array, process_dt
 from .layout import ChunkLayout, build_chunk_layout, to_chunks
 
 
 def ssd_varlen_ref(
-    x: jax.Array,  # [T, H, P]
-    dt: jax.Array,  # [T, H]
+    x: jax.Array | ColumnView,  # [T, H, P]
+    dt: jax.Array | ColumnView,  # [T, H]
     A: jax.Array,  # [H]
-    B: jax.Array,  # [T, G, N]
-    C: jax.Array,  # [T, G, N]
+    B: jax.Array | ColumnView,  # [T, G, N]
+    C: jax.Array | ColumnView,  # [T, G, N]
     cu_seqlens: jax.Array,  # i32[S+1]
     *,
     chunk_size: int,
     D: jax.Array | None = None,  # [H]
-    z: jax.Array | None = None,  # [T, H, P]
+    z: jax.Array | ColumnView | None = None,  # [T, H, P]
     dt_bias: jax.Array | None = None,  # [H]
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
@@ -30,6 +30,8 @@ def ssd_varlen_ref(
     return_chunk_states: bool = False,
     state_chunks: jax.Array | None = None,  # i32[K]
 ):
+    x, dt, B, C = (as_array(a) for a in (x, dt, B, C))
+    z = None if z is None else as_array(z)
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     num_seqs = cu_seqlens.shape[0] - 1

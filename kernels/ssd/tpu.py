@@ -28,7 +28,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import dot, pallas_call, process_dt, silu, to_column, to_row, tpu_interpret_params
+from ..common import (
+    ColumnView,
+    as_array,
+    dot,
+    pallas_call,
+    process_dt,
+    silu,
+    to_column,
+    to_row,
+    tpu_interpret_params,
+)
 from .layout import (
     ChunkLayout,
     TrackedRequests,
@@ -140,16 +150,16 @@ def _kernel(
     ),
 )
 def ssd_varlen_tpu(
-    x: jax.Array,  # [T, H, P]
-    dt: jax.Array,  # [T, H]
+    x: jax.Array | ColumnView,  # [T, H, P]
+    dt: jax.Array | ColumnView,  # [T, H]
     A: jax.Array,  # [H]
-    B: jax.Array,  # [T, G, N]
-    C: jax.Array,  # [T, G, N]
+    B: jax.Array | ColumnView,  # [T, G, N]
+    C: jax.Array | ColumnView,  # [T, G, N]
     cu_seqlens: jax.Array,  # i32[S+1]
     *,
     chunk_size: int,
     D: jax.Array | None = None,  # [H]
-    z: jax.Array | None = None,  # [T, H, P]
+    z: jax.Array | ColumnView | None = None,  # [T, H, P]
     dt_bias: jax.Array | None = None,  # [H]
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
@@ -166,6 +176,8 @@ def ssd_varlen_tpu(
     ``interpret=True`` runs it under ``pltpu.InterpretParams()``; explicit params may also be
     passed.
     """
+    x, dt, B, C = (as_array(a) for a in (x, dt, B, C))  # the BlockSpecs tile whole arrays
+    z = None if z is None else as_array(z)
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     num_seqs = cu_seqlens.shape[0] - 1
