@@ -171,19 +171,26 @@ def test_decode_steps_run_the_sort_free_program_with_the_same_results(artifact, 
 def test_manifest_lists_every_bucket_with_shapes(artifact):
     m = read_artifact(artifact).manifest
     from jaxmamba.config import ModelConfig
+    from jaxmamba.engine.batch import Bucket, StepBuilder
     from jaxmamba.engine.config import EngineConfig
     from jaxmamba.engine.scheduler import Scheduler
+    from jaxmamba.model.cache import CacheSpec
 
     cfg = ModelConfig.from_dict(m["model"])
-    buckets = Scheduler(cfg, EngineConfig(**m["engine"])).all_buckets()
+    engine = EngineConfig(**m["engine"])
+    buckets = Scheduler(cfg, engine).all_buckets()
+    builder = StepBuilder(CacheSpec(**m["cache"]), engine.max_pages_per_seq, cfg.vocab_size,
+                          cfg.chunk_size)  # fmt: skip
     assert [(b["num_tokens"], b["num_rows"], b["num_decode"]) for b in m["buckets"]] == [
         (b.num_tokens, b.num_rows, b.num_decode) for b in buckets
     ]
     for b in m["buckets"]:
         n_in = m["state"]["params"] + len(m["state"]["cache"]) + len(m["state"]["slot_state"])
-        step_inputs = b["inputs"][n_in:]
-        assert len(step_inputs) == len(m["input_fields"])
-        assert step_inputs[0] == {"shape": [b["num_tokens"]], "dtype": "int32"}  # input_ids
+        # The step's inputs: one int32 buffer, every field the bucket's padding has, packed
+        padding = builder.padding(Bucket(b["num_tokens"], b["num_rows"], b["num_decode"]))
+        size = sum(np.size(x) for x in padding if x is not None)
+        assert b["inputs"][n_in:] == [{"shape": [size], "dtype": "int32"}]
+        assert m["input_fields"] == list(padding._fields)
         # The packed samples (their layout is the step's), then the donated cache and state.
         state = m["state"]["cache"] + m["state"]["slot_state"]
         assert b["outputs"][1:] == state and b["inputs"][m["state"]["params"] : n_in] == state

@@ -93,6 +93,24 @@ def test_hlo_has_one_all_reduce_per_row_parallel_projection_and_gathers_no_weigh
                 assert shape[-1] == seen["padded_vocab"][str(n)], (n, kind, shape)
 
 
+def test_forked_samples_and_prompt_logprobs_under_tp_equal_tp1(seen):
+    """`fork_fn` and `score_fn` over the mesh: a seeded n = 2 request (sample 1 decodes from
+    the state the fork copied) and its prompt logprobs are TP 1's."""
+    tp1 = seen["forked_tokens"]["1"]
+    assert len(tp1) == 2 and all(len(t) == MAX_TOKENS for t in tp1)
+    assert seen["prompt_logprobs"]["1"][0] is None and len(seen["prompt_logprobs"]["1"]) > 1
+    for n in (2, 4):
+        assert seen["forked_tokens"][str(n)] == tp1, n
+        for ours, ref in zip(seen["prompt_logprobs"][str(n)], seen["prompt_logprobs"]["1"],
+                             strict=True):  # fmt: skip
+            if ref is None:
+                assert ours is None
+                continue
+            assert ours.keys() == ref.keys(), (n, ours, ref)
+            for t in ref:
+                assert abs(ours[t] - ref[t]) < 2e-5, (n, t, ours[t], ref[t])
+
+
 def test_impossible_splits_are_refused_with_the_values(seen):
     assert "mamba_num_heads=12" in seen["refused"]["5"], seen["refused"]
     assert "tensor_parallel_size=5" in seen["refused"]["5"]
@@ -169,7 +187,11 @@ def main(out_path: str) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
     seen = dict(block=block, first_len=len(first[0]), hf_tokens=[t for t, _ in hf],
                 hf_logprobs=[lp for _, lp in hf], tokens={}, logprobs={}, cached_tokens={},
-                hlo={}, padded_vocab={}, refused={}, free_slots={})  # fmt: skip
+                hlo={}, padded_vocab={}, refused={}, free_slots={}, forked_tokens={},
+                prompt_logprobs={})  # fmt: skip
+    # n > 1 and prompt_logprobs: the fork and scoring programs run after the step, sharded too
+    forked = SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+                            ignore_eos=True, prompt_logprobs=2)  # fmt: skip
     for n in SIZES:
         llm = LLM(str(path), tensor_parallel_size=n, **ENGINE)
         outs = llm.generate(prompt_token_ids=first, sampling_params=params, use_tqdm=False)
@@ -180,6 +202,13 @@ def main(out_path: str) -> None:
             for c in (o.outputs[0] for o in outs)
         ]
         seen["cached_tokens"][n] = outs[-1].num_cached_tokens
+        (out,) = llm.generate(prompt_token_ids=[first[0]], sampling_params=forked,
+                              use_tqdm=False)  # fmt: skip
+        seen["forked_tokens"][n] = [c.token_ids for c in out.outputs]
+        seen["prompt_logprobs"][n] = [
+            None if d is None else {str(t): p.logprob for t, p in d.items()}
+            for d in out.prompt_logprobs
+        ]
         seen["free_slots"][n] = llm.stats().get("free_slots")
         if n > 1:
             seen["padded_vocab"][n] = TensorParallelPlan(llm.model_cfg, n).padded_vocab

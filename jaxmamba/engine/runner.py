@@ -533,6 +533,8 @@ def step_temporary_bytes(
     of the compiled step (temporaries, and outputs that do not alias a donated input). Only
     shapes are used: nothing is allocated or run. Sharded (`tensor_parallel_size > 1`): one
     device's."""
+    if isinstance(inputs, StepInputs):  # as `step` passes them: the same program
+        inputs = PackedStepInputs.pack(inputs)
     from jaxmamba.model.model import Mamba2HybridLM
 
     if tensor_parallel_size > 1:

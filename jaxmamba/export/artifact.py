@@ -14,8 +14,9 @@
     DIR/tokenizer/               the model's tokenizer files, if it has any
 
 A step takes four flat lists of arrays `(params, cache, slot_state, inputs)` (the leaves, in
-`jax.tree` order, of the live runner's arguments; the last is `StepInputs`, whose field names
-the manifest keeps) and returns `(packed sample output, cache, slot_state)`; cache and slot
+`jax.tree` order, of the live runner's arguments; the last is one int32 buffer, the
+`StepInputs` packed by `PackedStepInputs`, whose field names the manifest keeps) and returns
+`(packed sample output, cache, slot_state)`; cache and slot
 state are donated. The score program takes `(params, prompt_hidden, targets)` (the params'
 leaves, the slot state's last leaf, i32 targets) and returns the packed prompt logprobs; the
 fork copies (`runner.fork_fn`) are plain array copies, which the serving process compiles
@@ -34,7 +35,7 @@ from typing import Any
 
 FORMAT = "jaxmamba-artifact"
 # 2: the step leaves prompt_logprobs and forks to programs of their own (`SlotState` gained
-# `prompt_hidden`; the score program).
+# `prompt_hidden`; the score program), and takes its inputs as one packed buffer.
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 # jax.export platform names -> the model's kernel choice when tracing for that platform.

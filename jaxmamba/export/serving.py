@@ -34,7 +34,7 @@ from jaxmamba.engine.runner import (
 )
 from jaxmamba.export.artifact import Artifact, ArtifactError, programs, read_artifact
 from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS
+from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS, PackedStepInputs
 
 _COMPILE = threading.local()  # per compiling thread: did its last compile hit the disk cache
 
@@ -293,12 +293,12 @@ class ArtifactRunner:
         fn = self._step(_step_key(inputs, num_decode), sampler)
         self.variant_steps[sampler] += 1
         targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
-        # The host arrays go in as they are: the executable's C++ dispatch moves them
-        # (0.35-1.0 ms a 32-row decode call on CPU against 2.6-8.0 ms for a Python
-        # `device_put` of the 29 first, docs/benchmarks.md).
+        # The inputs go in as one host buffer (`PackedStepInputs`), which the executable's C++
+        # dispatch moves in one copy (a Python `device_put` first cost more: 2.6-8.0 ms for
+        # the 29 fields of a 32-row decode step on CPU, docs/benchmarks.md).
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
             packed, self.cache, self.slot_state = fn(
-                self.params, self.cache, self.slot_state, jax.tree.leaves(inputs)
+                self.params, self.cache, self.slot_state, [PackedStepInputs.pack(inputs).buffer]
             )
             if has_forks(inputs, num_decode, self.cache_spec.pad_slot):
                 self.cache = self._fork_program()(self.cache, *fork_inputs(inputs))
@@ -321,7 +321,9 @@ class ArtifactRunner:
         if not hasattr(fn, "lower"):
             return  # a loaded executable: nothing to compile
         _COMPILE.hit = False
-        lowered = fn.lower(self.params, self.cache, self.slot_state, jax.tree.leaves(inputs))
+        lowered = fn.lower(
+            self.params, self.cache, self.slot_state, [PackedStepInputs.pack(inputs).buffer]
+        )
         compiled = lowered.compile()
         self.compiled[program] = (compiled, not _COMPILE.hit)
 

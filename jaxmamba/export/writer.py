@@ -136,13 +136,13 @@ def _aval(x) -> dict:
 
 def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
     """The abstract `(params, cache, slot_state, inputs)` of one bucket's step, and their
-    treedefs."""
-
+    treedefs; the inputs packed into one buffer, as the runners pass them."""
     from jaxmamba.engine.runner import init_slot_state
     from jaxmamba.model.cache import cache_shapes
+    from jaxmamba.model.metadata import PackedStepInputs
 
     slot_state = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
-    inputs = builder.padding(bucket)
+    inputs = PackedStepInputs.pack(builder.padding(bucket))
     args = (params_tree, cache_shapes(cfg, spec, dtype), slot_state, inputs)
     trees = tuple(jax.tree.structure(a) for a in args)
     flat = tuple(
