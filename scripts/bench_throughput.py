@@ -26,7 +26,12 @@ import jax
 import numpy as np
 
 from jaxmamba import LLM, SamplingParams
-from jaxmamba.bench import device_kernel_events, load_trace_events
+from jaxmamba.bench import (
+    device_kernel_events,
+    format_trace_summary,
+    kernel_table,
+    load_trace_events,
+)
 
 
 def busy_seconds(kernels: list[dict]) -> float:
@@ -53,6 +58,7 @@ def main() -> None:
     p.add_argument("--prefix-caching", action="store_true", help="random prompts share nothing")
     p.add_argument("--profile-from", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=24)
+    p.add_argument("--profile-top", type=int, default=0, help="kernels to list of the window")
     p.add_argument("--trace-dir", default="/tmp/jaxmamba-throughput-trace")
     p.add_argument("--out", default="throughput.json")
     p.add_argument("--fast-weights", action="store_true",
@@ -166,6 +172,7 @@ def main() -> None:
                 "device_busy_s": busy,
                 "busy_fraction": busy / span,
                 "wall_ms_per_step": span / args.profile_steps * 1e3,
+                "kernels": kernel_table(kernels, args.profile_steps, top=args.profile_top),
             }
     engine._dispatch, engine._postprocess, engine.runner._put_inputs = dispatch, postprocess, put
     n = max(host["steps"], 1)
@@ -179,7 +186,18 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    print(json.dumps(record.get("profiled_window")))
+    window = record.get("profiled_window")
+    if window is not None:
+        table = window.pop("kernels")
+        print(
+            format_trace_summary(
+                f"profiled window, steps {args.profile_from}.."
+                f"{args.profile_from + args.profile_steps - 1}",
+                table,
+            )
+        )
+        window["kernels"] = table
+    print(json.dumps({k: v for k, v in (window or {}).items() if k != "kernels"}))
     print("host per step:", json.dumps(record["host_per_step"]), flush=True)
     print(
         f"throughput: {args.num_prompts} requests, {record['input_tokens']} prompt + "

@@ -140,3 +140,23 @@ def test_paged_attention_dispatch_and_shape_errors():
         paged_attention(q, pages, pages, table, idx[:4], idx, scale=1.0)
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv(pages, pages, jnp.ones((5, 2, 8)), jnp.ones((5, 2, 8)), idx[:3])
+
+
+def test_write_kv_writes_every_token_and_drops_the_pad_page_writes():
+    """Real tokens land in their slots; padding tokens (all pointing into the pad page) write
+    nothing: the pad page keeps what it held (NaN here), every other slot too."""
+    from jaxmamba.kernels.attention import write_kv
+
+    rng = np.random.default_rng(0)
+    num_pages, page_size, hkv, dh = 5, 4, 2, 8  # page 4 is the pad sink
+    pages = np.full((num_pages, page_size, hkv, dh), np.nan, np.float32)
+    real = rng.permutation((num_pages - 1) * page_size)[:9]
+    slots = np.concatenate([real, np.full(7, (num_pages - 1) * page_size)]).astype(np.int32)
+    k = rng.standard_normal((len(slots), hkv, dh)).astype(np.float32)
+    v = rng.standard_normal((len(slots), hkv, dh)).astype(np.float32)
+    new_k, new_v = write_kv(jnp.asarray(pages), jnp.asarray(pages), jnp.asarray(k),
+                            jnp.asarray(v), jnp.asarray(slots))  # fmt: skip
+    for new, src in ((new_k, k), (new_v, v)):
+        expected = pages.reshape(-1, hkv, dh).copy()
+        expected[real] = src[: len(real)]
+        np.testing.assert_array_equal(np.asarray(new).reshape(-1, hkv, dh), expected)

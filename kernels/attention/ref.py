@@ -30,8 +30,15 @@ def write_kv(
         raise ValueError(f"expected slot_mapping [T={num_tokens}], got {slot_mapping.shape}")
     pages_shape = k_pages.shape
     flat_shape = (-1,) + pages_shape[2:]
-    new_k = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype))
-    new_v = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype))
+    # Writes into the pad page (padding tokens, filler rows) are dropped, not made: a bucket's
+    # padding tokens all map to one slot there, and a scatter with that many copies of an
+    # index serializes on it (H200, a 4,096-token step with ~2,000 padding tokens: 19 ms a
+    # layer for K and again for V, against 20 µs without padding; docs/benchmarks.md).
+    sink = (pages_shape[0] - 1) * pages_shape[1]  # the pad page's first slot
+    total = pages_shape[0] * pages_shape[1]
+    slots = jnp.where(slot_mapping < sink, slot_mapping, total)  # total: out of range, dropped
+    new_k = k_pages.reshape(flat_shape).at[slots].set(k.astype(k_pages.dtype), mode="drop")
+    new_v = v_pages.reshape(flat_shape).at[slots].set(v.astype(v_pages.dtype), mode="drop")
     return new_k.reshape(pages_shape), new_v.reshape(pages_shape)
 
 
