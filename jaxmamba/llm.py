@@ -336,6 +336,7 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
         prefix_caching=cfg.enable_prefix_caching,
         num_state_slots=cfg.num_state_slots,
         num_pages=cfg.num_pages,
+        fixed=memory.fixed_bytes(model_cfg, itemsize),
     )
     u = cfg.gpu_memory_utilization
     device = jax.tree.leaves(params)[0].devices().pop() if weights else jax.devices()[0]

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 from jaxmamba.config import ModelConfig
+from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -50,6 +51,12 @@ def slot_bytes(cfg: ModelConfig, act_itemsize: int, ssm_itemsize: int = 4) -> in
     conv = (cfg.conv_kernel - 1) * cfg.conv_dim * act_itemsize
     sampler = 4 + cfg.vocab_size * (1 + 4)
     return cfg.num_mamba_layers * (ssm + conv) + sampler
+
+
+def fixed_bytes(cfg: ModelConfig, act_itemsize: int) -> int:
+    """Bytes the runner holds whatever the sizes: the hidden states a prefill step keeps for
+    prompt_logprobs (`SlotState.prompt_hidden`, whole on every device under TP)."""
+    return MAX_PROMPT_LOGPROB_TOKENS * cfg.hidden_size * act_itemsize
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, act_itemsize: int) -> int:
@@ -110,6 +117,7 @@ class CachePlan:
     per_page: int
     budget: int | None  # bytes for the cache (None: not sized from memory)
     note: str = ""  # where the budget came from
+    fixed: int = 0  # bytes beside the slots and pages (`fixed_bytes`)
 
     @property
     def checkpoint_slots(self) -> int:
@@ -122,8 +130,9 @@ class CachePlan:
 
     @property
     def cache_bytes(self) -> int:
-        """Including the pad slot and page."""
-        return (self.state_slots + 1) * self.per_slot + (self.pages + 1) * self.per_page
+        """Including the pad slot and page, and the fixed bytes."""
+        slots_and_pages = (self.state_slots + 1) * self.per_slot + (self.pages + 1) * self.per_page
+        return slots_and_pages + self.fixed
 
     def describe(self) -> str:
         max_len = self.max_pages_per_seq * self.page_size
@@ -161,6 +170,7 @@ def plan_cache(
     num_pages: int | None = None,
     budget_what: str = "the cache budget",
     hint: str = "raise gpu_memory_utilization or free device memory",
+    fixed: int = 0,
 ) -> CachePlan:
     """Slots and pages within `budget` bytes (see the module docstring for the split).
 
@@ -168,8 +178,9 @@ def plan_cache(
     size is checked, and a request for more than fits is a ValueError that says how much
     does."""
     plan = lambda s, p: CachePlan(  # noqa: E731
-        s, p, max_num_seqs, max_pages_per_seq, page_size, per_slot, per_page, budget
-    )
+        s, p, max_num_seqs, max_pages_per_seq, page_size, per_slot, per_page, budget,
+        fixed=fixed,
+    )  # fmt: skip
     max_len = max_pages_per_seq * page_size
     if num_state_slots is not None and num_state_slots < max_num_seqs:
         raise ValueError(f"num_state_slots={num_state_slots} < max_num_seqs={max_num_seqs}")
@@ -182,7 +193,7 @@ def plan_cache(
         slots, pages = default_sizes(max_num_seqs, max_pages_per_seq, prefix_caching)
         return plan(num_state_slots or slots, num_pages or pages)
 
-    free = budget - per_slot - per_page  # the pad slot and page
+    free = budget - fixed - per_slot - per_page  # the fixed bytes, the pad slot and page
     gib = fmt_bytes
     where = f"{budget_what} of {gib(budget)}"
     # The minimum: every running row's slot and one sequence at max_model_len.
