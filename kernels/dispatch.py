@@ -56,11 +56,15 @@ def select_impl(
     ref: Callable,
     pallas_tpu: Callable | None = None,
     pallas_gpu: Callable | None = None,
+    ref_where_no_kernel: bool = False,
 ) -> Callable:
     """Return the function that implements ``op`` for ``impl``.
 
     ``pallas_tpu`` / ``pallas_gpu`` are the op's kernels (at least one); each must accept an
-    ``interpret: bool`` keyword.
+    ``interpret: bool`` keyword. ``ref_where_no_kernel``: ``"pallas"`` for a platform without
+    a kernel of the op runs ``ref`` instead of raising — for ops whose reference is what that
+    platform should run anyway (built from other ops' kernels, or one XLA fusion), so a model
+    whose ops all take ``impl="pallas"`` runs there.
     """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
@@ -81,5 +85,7 @@ def select_impl(
             "lower for another platform, or 'auto'/'ref'"
         )
     if kernels[platform] is None:
+        if ref_where_no_kernel:
+            return ref
         raise NotImplementedError(f"{op}: no Pallas kernel for {platform} (use impl='ref')")
     return functools.partial(kernels[platform], interpret=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 
-from ..dispatch import current_platform, select_impl
+from ..dispatch import select_impl
 from .gpu import GpuBlockSizes, gated_group_rmsnorm_gpu, group_pieces
 from .ref import gated_group_rmsnorm_ref
 
@@ -52,16 +52,13 @@ def gated_group_rmsnorm(
         )
     if scale.shape != (width,):
         raise ValueError(f"expected scale [W={width}], got {scale.shape}")
-    platform = impl.partition("_")[2] or current_platform()
-    if platform == "tpu" and impl in ("pallas", "pallas_tpu"):
-        fn = gated_group_rmsnorm_ref  # no TPU kernel of its own
-    else:
-        fn = select_impl(
-            "gated_group_rmsnorm",
-            impl,
-            ref=gated_group_rmsnorm_ref,
-            pallas_gpu=gated_group_rmsnorm_gpu,
-        )
+    fn = select_impl(
+        "gated_group_rmsnorm",
+        impl,
+        ref=gated_group_rmsnorm_ref,
+        pallas_gpu=gated_group_rmsnorm_gpu,
+        ref_where_no_kernel=True,  # TPU: XLA fuses the reference into one pass
+    )
     return fn(
         y, z_source, scale, num_groups=num_groups, eps=eps, z_offset=z_offset, out_dtype=out_dtype
     )

@@ -19,7 +19,7 @@ import jax
 
 from ..common import check_optional_shapes
 from ..conv1d import causal_conv1d_update
-from ..dispatch import current_platform, select_impl
+from ..dispatch import select_impl
 from ..state_update import selective_state_update
 from .gpu import GpuBlockSizes, mamba2_decode_gpu
 from .ref import DecodeLayout, decode_chain, mamba2_decode_ref
@@ -113,11 +113,8 @@ def mamba2_decode(
                                      **kwargs)  # fmt: skip
         return chain(*args, **kwargs)
 
-    platform = impl.partition("_")[2] or current_platform()
-    if platform == "tpu" and impl in ("pallas", "pallas_tpu"):
-        fn = chain  # no TPU kernel of its own: the two ops' TPU kernels
-    else:
-        fn = select_impl("mamba2_decode", impl, ref=chain, pallas_gpu=gpu)
+    # No TPU kernel of its own: there the chain runs the two ops' TPU kernels.
+    fn = select_impl("mamba2_decode", impl, ref=chain, pallas_gpu=gpu, ref_where_no_kernel=True)
     return fn(
         conv_state, ssm_state, zxbcdt, conv_weight, conv_bias, A, slots,
         D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
