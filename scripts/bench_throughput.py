@@ -186,18 +186,12 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    window = record.get("profiled_window")
-    if window is not None:
-        table = window.pop("kernels")
-        print(
-            format_trace_summary(
-                f"profiled window, steps {args.profile_from}.."
-                f"{args.profile_from + args.profile_steps - 1}",
-                table,
-            )
-        )
-        window["kernels"] = table
-    print(json.dumps({k: v for k, v in (window or {}).items() if k != "kernels"}))
+    window = record.get("profiled_window", {})
+    if window:
+        last = args.profile_from + args.profile_steps - 1
+        print(format_trace_summary(f"profiled window, steps {args.profile_from}..{last}",
+                                   window["kernels"]))  # fmt: skip
+    print(json.dumps({k: v for k, v in window.items() if k != "kernels"}))
     print("host per step:", json.dumps(record["host_per_step"]), flush=True)
     print(
         f"throughput: {args.num_prompts} requests, {record['input_tokens']} prompt + "

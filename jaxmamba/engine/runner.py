@@ -283,6 +283,11 @@ def asked_targets(targets: np.ndarray, num_decode: int) -> np.ndarray | None:
     return out
 
 
+def padding_targets() -> np.ndarray:
+    """`score_fn`'s targets when no token asks (a warm-up run)."""
+    return np.full(MAX_PROMPT_LOGPROB_TOKENS, -1, np.int32)
+
+
 def score_fn(params, prompt_hidden: jax.Array, targets: jax.Array, *, model, spec) -> jax.Array:
     """vLLM's prompt logprobs of the tokens a step kept (`SlotState.prompt_hidden`), packed as
     the samples are: `i32[W, 3 + 2 * MAX_LOGPROBS]`, per token its target (the next prompt
@@ -315,11 +320,12 @@ def fork_inputs(inputs: StepInputs) -> tuple:
             inputs.fork_dst_pages)  # fmt: skip
 
 
-def has_forks(inputs: StepInputs, num_decode: int, pad_slot: int) -> bool:
-    """Whether a step forks some sample (host inputs): `fork_fn` runs after it."""
+def asked_forks(inputs: StepInputs, num_decode: int, pad_slot: int) -> tuple | None:
+    """`fork_fn`'s arguments after the cache when a step forks some sample (host inputs), else
+    None (the step needs no `fork_fn`)."""
     if inputs.fork_dst_slots is None or len(inputs.state_slots) == num_decode:
-        return False
-    return bool(np.any(np.asarray(inputs.fork_dst_slots) != pad_slot))
+        return None
+    return fork_inputs(inputs) if np.any(np.asarray(inputs.fork_dst_slots) != pad_slot) else None
 
 
 def unpack_step_output(out: StepOutput) -> tuple[HostSample, HostSample | None]:
@@ -433,14 +439,14 @@ class ModelRunner:
     def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True,
              ranks: bool = True) -> StepOutput:  # fmt: skip
         """Dispatch one step, and after it `fork_fn` and `score_fn` where some row needs them
-        (`has_forks`, `asked_targets`); returns the device outputs without waiting for them.
+        (`asked_forks`, `asked_targets`); returns the device outputs without waiting for them.
         `top_logprobs=False`: no row reads the top logprobs, `ranks=False`: no row reads the
         ranks (no row asks for logprobs); what no row reads may come back as zeros, which lets
         a decode step run a sampler variant."""
         sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
         self.variant_steps[sampler] += 1
         kwargs = {} if sampler == FULL else {"sampler": sampler}
-        forks = has_forks(inputs, num_decode, self.cache_spec.pad_slot)
+        forks = asked_forks(inputs, num_decode, self.cache_spec.pad_slot)
         targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
             packed, self.cache, self.slot_state = self._jit_step(
@@ -448,14 +454,18 @@ class ModelRunner:
                 self._put_inputs(PackedStepInputs.pack(inputs)), num_decode=num_decode,
                 **kwargs, **self._static,
             )  # fmt: skip
-            if forks:
-                self.cache = self._jit_fork(self.cache, *self._put_inputs(fork_inputs(inputs)),
-                                            **self._static)  # fmt: skip
-            scores = None
-            if targets is not None:
-                scores = self._jit_score(self.params, self.slot_state.prompt_hidden,
-                                         self._put_inputs(targets), **self._static)  # fmt: skip
-        return StepOutput(packed, scores)
+        return StepOutput(packed, self._side_programs(forks, targets))
+
+    def _side_programs(self, forks: tuple | None, targets: np.ndarray | None):
+        """`fork_fn` on `forks` (`fork_inputs`; None: no fork), then `score_fn` on `targets`
+        (`asked_targets`; None: no score); returns the scores (or None)."""
+        with jax.transfer_guard_host_to_device("allow"):  # their inputs, and only they
+            if forks is not None:
+                self.cache = self._jit_fork(self.cache, *self._put_inputs(forks), **self._static)
+            if targets is None:
+                return None
+            return self._jit_score(self.params, self.slot_state.prompt_hidden,
+                                   self._put_inputs(targets), **self._static)  # fmt: skip
 
     def step_args(self, inputs: StepInputs, num_decode: int, sampler: str = FULL
                   ) -> tuple[tuple, dict]:  # fmt: skip
@@ -508,13 +518,7 @@ class ModelRunner:
     def run_side_programs(self, padding: StepInputs) -> None:
         """Compile and run once `fork_fn` and `score_fn` (what a step with forks or
         prompt_logprobs adds), on a bucket's padding: pad slots onto themselves, no target."""
-        with jax.transfer_guard_host_to_device("allow"):
-            self.cache = self._jit_fork(self.cache, *self._put_inputs(fork_inputs(padding)),
-                                        **self._static)  # fmt: skip
-            targets = np.full(MAX_PROMPT_LOGPROB_TOKENS, -1, np.int32)
-            jax.block_until_ready(self._jit_score(
-                self.params, self.slot_state.prompt_hidden, self._put_inputs(targets),
-                **self._static))  # fmt: skip
+        jax.block_until_ready(self._side_programs(fork_inputs(padding), padding_targets()))
 
 
 def step_temporary_bytes(

@@ -23,12 +23,13 @@ from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.runner import (
     FULL,
     StepOutput,
+    asked_forks,
     asked_targets,
     choose_sampler,
     fallback_sampler,
     fork_fn,
     fork_inputs,
-    has_forks,
+    padding_targets,
     sampler_flags,
     variants_enabled,
 )
@@ -292,6 +293,7 @@ class ArtifactRunner:
         sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
         fn = self._step(_step_key(inputs, num_decode), sampler)
         self.variant_steps[sampler] += 1
+        forks = asked_forks(inputs, num_decode, self.cache_spec.pad_slot)
         targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
         # The inputs go in as one host buffer (`PackedStepInputs`), which the executable's C++
         # dispatch moves in one copy (a Python `device_put` first cost more: 2.6-8.0 ms for
@@ -300,21 +302,22 @@ class ArtifactRunner:
             packed, self.cache, self.slot_state = fn(
                 self.params, self.cache, self.slot_state, [PackedStepInputs.pack(inputs).buffer]
             )
-            if has_forks(inputs, num_decode, self.cache_spec.pad_slot):
-                self.cache = self._fork_program()(self.cache, *fork_inputs(inputs))
-            scores = None
-            if targets is not None:
-                scores = self._score_program()(self.params, self.slot_state[-1], targets)
-        return StepOutput(packed, scores)
+        return StepOutput(packed, self._side_programs(forks, targets))
+
+    def _side_programs(self, forks: tuple | None, targets: np.ndarray | None):
+        """The fork copies on `forks` (None: no fork), then the prompt_logprobs program on
+        `targets` (None: no score), as `ModelRunner._side_programs`; returns the scores."""
+        with jax.transfer_guard_host_to_device("allow"):  # their inputs, and only they
+            if forks is not None:
+                self.cache = self._fork_program()(self.cache, *forks)
+            if targets is None:
+                return None
+            return self._score_program()(self.params, self.slot_state[-1], targets)
 
     def run_side_programs(self, padding) -> None:
         """Compile and run once the fork and prompt_logprobs programs, on a bucket's padding
         (as `ModelRunner.run_side_programs`)."""
-        with jax.transfer_guard_host_to_device("allow"):
-            self.cache = self._fork_program()(self.cache, *fork_inputs(padding))
-            targets = np.full(MAX_PROMPT_LOGPROB_TOKENS, -1, np.int32)
-            jax.block_until_ready(
-                self._score_program()(self.params, self.slot_state[-1], targets))  # fmt: skip
+        jax.block_until_ready(self._side_programs(fork_inputs(padding), padding_targets()))
 
     def _compile(self, program, inputs) -> None:
         fn = self._step(*program)
