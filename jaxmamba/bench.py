@@ -88,6 +88,11 @@ def prefill_flops(cfg: ModelConfig, params, batch: int, input_len: int) -> float
         + 2 * cfg.mamba_head_dim * cfg.ssm_state_size
     )
     flops += cfg.num_mamba_layers * 2.0 * tokens * per_token
+    # Chunked gated delta rule per token and value head: KKᵀ, QKᵀ and T·βK (C·Dk each), T·βV
+    # and the intra-chunk ·V′ (C·Dv each), W·S, Q·S and the state update (Dk·Dv each).
+    dk, dv, c = cfg.gdn_key_head_dim, cfg.gdn_value_head_dim, cfg.chunk_size
+    per_token = cfg.gdn_num_value_heads * (c * (3 * dk + 2 * dv) + 3 * dk * dv)
+    flops += len(cfg.gdn_layers) * 2.0 * tokens * per_token
     return flops
 
 
@@ -97,10 +102,9 @@ def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, dtype) -> f
     routed, rest = _split_routed(params, lambda x: float(x.size * x.dtype.itemsize))
     weight_bytes = rest + (routed * experts_hit(cfg, batch) / cfg.num_experts if routed else 0.0)
     act = jnp.dtype(dtype).itemsize
-    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
-    conv = (cfg.conv_kernel - 1) * cfg.conv_dim * act
+    conv, state = cfg.slot_state_elements()
     kv = 2 * context * cfg.num_key_value_heads * cfg.head_dim * act
-    per_row = cfg.num_mamba_layers * 2 * (ssm + conv) + cfg.num_attention_layers * kv
+    per_row = 2 * (state * 4 + conv * act) + cfg.num_attention_layers * kv
     return weight_bytes + batch * per_row
 
 

@@ -1,7 +1,8 @@
 """Model configuration: one frozen dataclass, built from a preset, a YAML file or an HF config.
 
 Dimension letters used in comments: E hidden, V vocab, H mamba heads, P mamba head dim,
-G groups, N state size, K conv width, F MLP width, Hq/Hkv attention heads, Dh head dim.
+G groups, N state size, K conv width, F MLP width, Hq/Hkv attention heads, Dh head dim;
+Gated DeltaNet: Hk key heads, HV value heads, Dk / Dv their head dims.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import yaml
 # Presets are package data of `jaxmamba.configs` (the repo's configs/ folder).
 CONFIGS_DIR = Path(str(importlib.resources.files("jaxmamba.configs")))
 
-LAYER_TYPES = ("mamba", "attention", "mlp", "moe", "parallel")
+LAYER_TYPES = ("mamba", "attention", "mlp", "moe", "parallel", "gdn")
 MLP_ACTIVATIONS = ("relu2", "silu_glu")
-MOE_ROUTERS = ("softmax_topk", "sigmoid_grouped")
+MOE_ROUTERS = ("softmax_topk", "softmax", "sigmoid_grouped")
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_shared_intermediate_size: int = 0
-    # softmax_topk: softmax over the top-k router logits (Granite). sigmoid_grouped: sigmoid
+    # softmax_topk: softmax over the top-k router logits (Granite). softmax: softmax over all
+    # experts, the top-k of those, renormalised when moe_norm_topk_prob (Qwen3-Next, Qwen3.5).
+    # sigmoid_grouped: sigmoid
     # scores + correction bias, top-k within the best moe_topk_groups of moe_num_groups groups,
     # optional renormalisation, times moe_routed_scaling (DeepSeek-V3 / Nemotron-H).
     moe_router: str = "softmax_topk"
@@ -88,6 +91,18 @@ class ModelConfig:
     moe_topk_groups: int = 1
     moe_norm_topk_prob: bool = False
     moe_routed_scaling: float = 1.0
+    # The shared expert's output is scaled by sigmoid(x · w), w [E] (Qwen3-Next, Qwen3.5).
+    moe_shared_expert_gate: bool = False
+    # Attention: a per-head output gate (q_proj yields [q | gate] per head; the output is
+    # o · sigmoid(gate)) and RMSNorm of q and k over each head (Qwen3-Next, Qwen3.5).
+    attention_output_gate: bool = False
+    attention_qk_norm: bool = False
+    # "gdn" layers (Gated DeltaNet): Hk key heads and HV value heads of Dk / Dv dims; the conv
+    # over [q | k | v] has width conv_kernel, and the chunked prefill uses chunk_size.
+    gdn_num_key_heads: int = 0
+    gdn_num_value_heads: int = 0
+    gdn_key_head_dim: int = 0
+    gdn_value_head_dim: int = 0
 
     def __post_init__(self) -> None:
         # Normalise YAML/JSON lists so equality and hashing behave.
@@ -121,9 +136,12 @@ class ModelConfig:
         if self.model_type == "mamba2" and set(self.layer_types) != {"mamba"}:
             _bad("layer_types", self.layer_types, "only 'mamba' layers for model_type mamba2")
 
-        positive = ["vocab_size", "hidden_size"]
-        positive += ["mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size"]
-        positive += ["conv_kernel", "chunk_size"]
+        positive = ["vocab_size", "hidden_size", "conv_kernel", "chunk_size"]
+        if self.mamba_layers:
+            positive += ["mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size"]
+        if self.gdn_layers:
+            positive += ["gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim",
+                         "gdn_value_head_dim"]  # fmt: skip
         if self.attention_layers:
             positive += ["num_attention_heads", "num_key_value_heads", "head_dim"]
         if "mlp" in self.layer_types or "parallel" in self.layer_types:
@@ -137,8 +155,15 @@ class ModelConfig:
         if not (isinstance(self.norm_eps, int | float) and self.norm_eps > 0):
             _bad("norm_eps", self.norm_eps, "a positive float")
 
-        if self.mamba_num_heads % self.n_groups:
+        if self.mamba_layers and self.mamba_num_heads % self.n_groups:
             _bad("n_groups", self.n_groups, f"a divisor of mamba_num_heads={self.mamba_num_heads}")
+        if self.gdn_layers and self.gdn_num_value_heads % self.gdn_num_key_heads:
+            _bad("gdn_num_value_heads", self.gdn_num_value_heads,
+                 f"a multiple of gdn_num_key_heads={self.gdn_num_key_heads}")  # fmt: skip
+        if self.gdn_layers and self.mamba_layers:
+            # One chunk layout a step serves every recurrent layer; the two mixers' chunk
+            # sizes would differ.
+            _bad("layer_types", self.layer_types, "Mamba2 or Gated DeltaNet layers, not both")
         if self.attention_layers and self.num_attention_heads % self.num_key_value_heads:
             _bad(
                 "num_key_value_heads",
@@ -212,6 +237,24 @@ class ModelConfig:
         return self.d_inner + self.conv_dim + self.mamba_num_heads
 
     @property
+    def gdn_key_dim(self) -> int:
+        return self.gdn_num_key_heads * self.gdn_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.gdn_num_value_heads * self.gdn_value_head_dim
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        # The conv runs over [q | k | v].
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def gdn_in_proj_dim(self) -> int:
+        # [q | k | v (gdn_conv_dim) | z (HV·Dv) | b (HV) | a (HV)]
+        return self.gdn_conv_dim + self.gdn_value_dim + 2 * self.gdn_num_value_heads
+
+    @property
     def num_layers(self) -> int:
         return len(self.layer_types)
 
@@ -219,6 +262,40 @@ class ModelConfig:
     def mamba_layers(self) -> tuple[int, ...]:
         """Layers with a Mamba2 mixer (and so a conv and an SSM state)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t in ("mamba", "parallel"))
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        """Layers with a Gated DeltaNet mixer (a conv and a recurrent state)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "gdn")
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Layers that hold a recurrent state in the slot pools (Mamba2 or Gated DeltaNet), in
+        order: their index here is their entry in `StateCache.conv` / `StateCache.ssm`."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("mamba", "parallel", "gdn"))
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return len(self.recurrent_layers)
+
+    def recurrent_state_shapes(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One slot's conv window and recurrent state shapes in recurrent layer `layer` (a
+        model layer index): Mamba2 `([K-1, conv_dim], [H, P, N])`, Gated DeltaNet
+        `([K-1, gdn_conv_dim], [HV, Dk, Dv])`."""
+        if self.layer_types[layer] == "gdn":
+            state = (self.gdn_num_value_heads, self.gdn_key_head_dim, self.gdn_value_head_dim)
+            return (self.conv_kernel - 1, self.gdn_conv_dim), state
+        state = (self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size)
+        return (self.conv_kernel - 1, self.conv_dim), state
+
+    def slot_state_elements(self) -> tuple[int, int]:
+        """Elements of one slot's conv windows and recurrent states, summed over every
+        recurrent layer."""
+        conv = state = 0
+        for layer in self.recurrent_layers:
+            c, s = self.recurrent_state_shapes(layer)
+            conv, state = conv + math.prod(c), state + math.prod(s)
+        return conv, state
 
     @property
     def attention_layers(self) -> tuple[int, ...]:

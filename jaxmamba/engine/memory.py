@@ -44,13 +44,12 @@ def fmt_bytes(n: int) -> str:
 
 
 def slot_bytes(cfg: ModelConfig, act_itemsize: int, ssm_itemsize: int = 4) -> int:
-    """Bytes of one state slot: SSM `[H, P, N]` and conv `[K-1, conv_dim]` states of every
-    Mamba layer, and the sampler's last token (i32), prompt mask (bool[V]) and output counts
-    (i32[V])."""
-    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * ssm_itemsize
-    conv = (cfg.conv_kernel - 1) * cfg.conv_dim * act_itemsize
+    """Bytes of one state slot: the recurrent state (SSM `[H, P, N]` or delta-rule
+    `[HV, Dk, Dv]`) and conv window of every recurrent layer, and the sampler's last token
+    (i32), prompt mask (bool[V]) and output counts (i32[V])."""
+    conv, state = cfg.slot_state_elements()
     sampler = 4 + cfg.vocab_size * (1 + 4)
-    return cfg.num_mamba_layers * (ssm + conv) + sampler
+    return state * ssm_itemsize + conv * act_itemsize + sampler
 
 
 def fixed_bytes(cfg: ModelConfig, act_itemsize: int) -> int:

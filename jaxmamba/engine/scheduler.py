@@ -586,7 +586,6 @@ def aligned_common_prefix(a: list[int], b: list[int], block: int, floor: int = 0
 def slot_cost_in_pages(cfg: ModelConfig, page_size: int) -> float:
     """What one state slot holds against one KV page (fp32 SSM state, 2-byte activations):
     the weight of a checkpoint in the prefix cache's eviction."""
-    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
-    conv = (cfg.conv_kernel - 1) * cfg.conv_dim * 2
+    conv, state = cfg.slot_state_elements()
     page = 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * 2
-    return cfg.num_mamba_layers * (ssm + conv) / max(cfg.num_attention_layers * page, 1)
+    return (state * 4 + conv * 2) / max(cfg.num_attention_layers * page, 1)

@@ -1,5 +1,6 @@
 """GQA self-attention over the paged KV cache, with RoPE when the config sets `rope_theta`
-(Nemotron-H: none; Bamba: on half of each head; Granite/Falcon-H1: on all of it)."""
+(Nemotron-H: none; Bamba: on half of each head; Granite/Falcon-H1: on all of it; Qwen3-Next
+and Qwen3.5: on a quarter), and Qwen3-Next's per-head q/k RMSNorm and sigmoid output gate."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.attention import paged_attention, write_kv
-from jaxmamba.model.layers import Dtype, Linear
+from jaxmamba.model.layers import Dtype, Linear, RMSNorm
 from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.parallel.collectives import ShardLayout
 
@@ -53,9 +54,17 @@ class Attention(nn.Module):
         linear = lambda features, axes, name, reduce=None: Linear(  # noqa: E731
             features, axes, bias, self.dtype, self.small_m_impl, reduce, name=name
         )
-        q = linear(hq * dh, ("embed", "q_heads"), "q_proj")(x).reshape(num_tokens, hq, dh)
+        gated = cfg.attention_output_gate
+        # With the output gate, q_proj yields [q_h | gate_h] for each head h.
+        q = linear(hq * dh * (2 if gated else 1), ("embed", "q_heads"), "q_proj")(x)
+        q = q.reshape(num_tokens, hq, -1)
+        if gated:
+            q, gate = q[..., :dh], q[..., dh:]
         k = linear(hkv * dh, ("embed", "kv_heads"), "k_proj")(x).reshape(num_tokens, hkv, dh)
         v = linear(hkv * dh, ("embed", "kv_heads"), "v_proj")(x).reshape(num_tokens, hkv, dh)
+        if cfg.attention_qk_norm:
+            q = RMSNorm(cfg.norm_eps, self.dtype, None, name="q_norm")(q)
+            k = RMSNorm(cfg.norm_eps, self.dtype, None, name="k_norm")(k)
         if cfg.rope_theta:
             rope_dim = cfg.rope_dim or dh
             q = apply_rope(q, meta.positions, cfg.rope_theta, rope_dim)
@@ -78,6 +87,8 @@ class Attention(nn.Module):
             blocks=meta.attention_blocks,
             impl=self.impl,
         )
+        if gated:
+            o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
         reduce = None if self.tp is None else self.tp.axis
         out = linear(cfg.hidden_size, ("q_heads", "embed"), "o_proj", reduce)(
             o.reshape(num_tokens, hq * dh)

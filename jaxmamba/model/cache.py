@@ -1,4 +1,5 @@
-"""The device-side state cache: slot pools for Mamba states and paged KV for attention.
+"""The device-side state cache: slot pools for recurrent states (Mamba2 and Gated DeltaNet
+layers) and paged KV for attention.
 
 Every pool has one extra entry at the end — the **pad sink**. Padding rows, rows that track
 nothing this step and padding tokens write there, so no write ever branches on device data.
@@ -34,13 +35,19 @@ class CacheSpec(NamedTuple):
 
 
 class StateCache(NamedTuple):
-    conv: tuple[jax.Array, ...]  # per Mamba layer: [S+1, K-1, conv_dim] activation dtype
-    ssm: tuple[jax.Array, ...]  # per Mamba layer: [S+1, H, P, N] f32 (or bf16 by spec)
+    # Per recurrent layer (`ModelConfig.recurrent_layers`): a Mamba2 layer's conv window
+    # [S+1, K-1, conv_dim] and SSM state [S+1, H, P, N]; a Gated DeltaNet layer's conv window
+    # [S+1, K-1, gdn_conv_dim] and delta-rule state [S+1, HV, Dk, Dv]. Conv windows have the
+    # activation dtype, states f32 (or bf16 by spec).
+    conv: tuple[jax.Array, ...]
+    ssm: tuple[jax.Array, ...]
     k_pages: tuple[jax.Array, ...]  # per attention layer: [NP+1, page_size, Hkv, Dh]
     v_pages: tuple[jax.Array, ...]  # per attention layer: [NP+1, page_size, Hkv, Dh]
 
 
-# Logical axis names of each cache array, for sharding (heads split across devices).
+# Logical axis names of each cache array, for sharding (heads split across devices). A Gated
+# DeltaNet layer's pools split the same dims (conv channels, value heads): the names pick the
+# mesh axis, and each shard's pools are the shard model's (`sharding.sharded_cache_shapes`).
 CACHE_LOGICAL_AXES = {
     "conv": ("slots", None, "mamba_conv"),
     "ssm": ("slots", "mamba_heads", None, None),
@@ -51,17 +58,16 @@ CACHE_LOGICAL_AXES = {
 
 def cache_shapes(cfg: ModelConfig, spec: CacheSpec, dtype) -> StateCache:
     """Shapes and dtypes of every cache array, as `jax.ShapeDtypeStruct`s."""
-    conv = jax.ShapeDtypeStruct((spec.num_slots + 1, cfg.conv_kernel - 1, cfg.conv_dim), dtype)
-    ssm = jax.ShapeDtypeStruct(
-        (spec.num_slots + 1, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size),
-        jnp.dtype(spec.ssm_dtype),
-    )
+    slots = spec.num_slots + 1
+    shapes = [cfg.recurrent_state_shapes(layer) for layer in cfg.recurrent_layers]
     kv = jax.ShapeDtypeStruct(
         (spec.num_pages + 1, spec.page_size, cfg.num_key_value_heads, cfg.head_dim), dtype
     )
     return StateCache(
-        conv=(conv,) * cfg.num_mamba_layers,
-        ssm=(ssm,) * cfg.num_mamba_layers,
+        conv=tuple(jax.ShapeDtypeStruct((slots, *conv), dtype) for conv, _ in shapes),
+        ssm=tuple(
+            jax.ShapeDtypeStruct((slots, *state), jnp.dtype(spec.ssm_dtype)) for _, state in shapes
+        ),
         k_pages=(kv,) * cfg.num_attention_layers,
         v_pages=(kv,) * cfg.num_attention_layers,
     )

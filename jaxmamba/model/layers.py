@@ -84,7 +84,7 @@ class RMSNorm(nn.Module):
 
     eps: float
     dtype: Dtype = jnp.float32
-    axis_name: str = "embed"
+    axis_name: str | None = "embed"  # None: replicated (a norm over each head's dims)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

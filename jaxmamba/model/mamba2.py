@@ -42,13 +42,14 @@ class DepthwiseConvWeights(nn.Module):
     channels: int
     use_bias: bool
     dtype: Dtype = jnp.float32
+    axis: str = "mamba_conv"  # the logical axis of the channels
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array | None]:
         init = nn.initializers.normal(0.2)
         kernel = self.param(
             "kernel",
-            nn.with_logical_partitioning(init, (None, "mamba_conv")),
+            nn.with_logical_partitioning(init, (None, self.axis)),
             (self.width, self.channels),
             self.dtype,
         )
@@ -56,7 +57,7 @@ class DepthwiseConvWeights(nn.Module):
         if self.use_bias:
             bias = self.param(
                 "bias",
-                nn.with_logical_partitioning(nn.initializers.zeros, ("mamba_conv",)),
+                nn.with_logical_partitioning(nn.initializers.zeros, (self.axis,)),
                 (self.channels,),
                 self.dtype,
             )

@@ -1,5 +1,5 @@
-"""The Mamba2-hybrid language model: embed → [Mamba2 | attention | MLP | MoE | Mamba2 ‖
-attention] × L → norm → lm_head.
+"""The hybrid language model: embed → [Mamba2 | Gated DeltaNet | attention | MLP | MoE |
+Mamba2 ‖ attention] × L → norm → lm_head.
 
 Functional at the jit boundary: `params`, `cache` and the step's `ForwardMetadata` go in,
 hidden states and the new cache come out (`Mamba2HybridLM.apply`). The layer pattern comes
@@ -17,6 +17,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.matmul import model_small_m_impl
 from jaxmamba.model.attention import Attention
 from jaxmamba.model.cache import StateCache
+from jaxmamba.model.gdn import GatedDeltaNetMixer
 from jaxmamba.model.layers import MLP, Dtype, RMSNorm, matmul_precision
 from jaxmamba.model.mamba2 import Mamba2Mixer
 from jaxmamba.model.metadata import ForwardMetadata
@@ -27,7 +28,7 @@ from jaxmamba.parallel.collectives import ShardLayout, embed_lookup, gather_logi
 LOGICAL_AXES = (
     "vocab", "embed", "mlp", "q_heads", "kv_heads",
     "mamba_in", "mamba_inner", "mamba_conv", "mamba_heads", "slots", "pages",
-    "experts", "moe_mlp",
+    "experts", "moe_mlp", "gdn_in", "gdn_conv", "gdn_heads", "gdn_inner",
 )  # fmt: skip
 
 
@@ -73,6 +74,10 @@ class Block(nn.Module):
             out, *cache_entry = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, tp, name="mixer")(
                 h, *cache_entry, meta
             )
+        elif self.layer_type == "gdn":
+            out, *cache_entry = GatedDeltaNetMixer(
+                cfg, self.dtype, self.impl, small_m, tp, name="mixer"
+            )(h, *cache_entry, meta)
         elif self.layer_type == "attention":
             out, *cache_entry = Attention(cfg, self.dtype, self.impl, small_m, tp, name="mixer")(
                 h, *cache_entry, meta
@@ -170,15 +175,15 @@ class Mamba2HybridLM(nn.Module):
             x = x * cfg.embedding_multiplier
         conv, ssm = list(cache.conv), list(cache.ssm)
         k_pages, v_pages = list(cache.k_pages), list(cache.v_pages)
-        mamba_index = {layer: i for i, layer in enumerate(cfg.mamba_layers)}
+        recurrent_index = {layer: i for i, layer in enumerate(cfg.recurrent_layers)}
         attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
         for layer, block in enumerate(self.layers):
-            if layer in mamba_index and layer in attention_index:
-                m, a = mamba_index[layer], attention_index[layer]
+            if layer in recurrent_index and layer in attention_index:
+                m, a = recurrent_index[layer], attention_index[layer]
                 entry = (conv[m], ssm[m], k_pages[a], v_pages[a])
                 x, (conv[m], ssm[m], k_pages[a], v_pages[a]) = block(x, entry, meta)
-            elif layer in mamba_index:
-                m = mamba_index[layer]
+            elif layer in recurrent_index:
+                m = recurrent_index[layer]
                 x, (conv[m], ssm[m]) = block(x, (conv[m], ssm[m]), meta)
             elif layer in attention_index:
                 a = attention_index[layer]

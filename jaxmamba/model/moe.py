@@ -48,6 +48,19 @@ def route_softmax_topk(
     return jax.nn.softmax(top, axis=-1), idx
 
 
+def route_softmax(
+    logits: jax.Array,  # f32[T, X]
+    k: int,
+    normalize: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-Next / Qwen3.5: softmax over every expert, the top k of those probabilities,
+    renormalised to sum to 1 when `normalize`. Returns (f32[T, k] weights, i32[T, k])."""
+    top, idx = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if normalize:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top, idx
+
+
 def route_sigmoid_grouped(
     logits: jax.Array,  # f32[T, X]
     correction_bias: jax.Array,  # f32[X]
@@ -220,9 +233,12 @@ class MoE(nn.Module):
                 cfg.moe_norm_topk_prob, cfg.moe_routed_scaling,
             )  # fmt: skip
         else:
-            # Granite: logits in the model dtype, softmax weights rounded back to it.
+            # Granite, Qwen: logits in the model dtype, softmax weights rounded back to it.
             logits = Linear(X, ("embed", None), False, self.dtype, name="router")(x)
-            weights, idx = route_softmax_topk(logits.astype(jnp.float32), k)
+            if cfg.moe_router == "softmax":
+                weights, idx = route_softmax(logits.astype(jnp.float32), k, cfg.moe_norm_topk_prob)
+            else:
+                weights, idx = route_softmax_topk(logits.astype(jnp.float32), k)
             weights = weights.astype(self.dtype).astype(jnp.float32)
         width = 2 * F if cfg.mlp_activation == "silu_glu" else F
         init = nn.initializers.normal(0.02)
@@ -248,5 +264,9 @@ class MoE(nn.Module):
                 self.dtype, self.small_m_impl, None if self.tp is None else self.tp.axis,
                 name="shared_expert",
             )(x)  # fmt: skip
+            if cfg.moe_shared_expert_gate:
+                # Every shard computes the whole gate (one output column): replicated.
+                gate = Linear(1, ("embed", None), False, self.dtype, name="shared_expert_gate")(x)
+                shared = (jax.nn.sigmoid(gate.astype(jnp.float32)) * shared).astype(self.dtype)
             out = out + shared.astype(jnp.float32)
         return out.astype(self.dtype)

@@ -1,11 +1,14 @@
 """How a model splits over `n` tensor-parallel shards: the shard's sizes, and what cannot split.
 
 Each shard holds `1/n` of the Mamba heads (with their conv channels, dt, A, D and gated-norm
-columns), of the attention query heads, of the MLP and expert hidden units, and of the
+columns), of the Gated DeltaNet value heads (with their conv channels, z, a, b, dt_bias and
+A_log), of the attention query heads, of the MLP and expert hidden units, and of the
 vocabulary. What does not divide:
 
-* Mamba heads or query heads not a multiple of `n`: refused (a head cannot be split).
-* `n_groups` (B/C groups) or KV heads fewer than, or not a multiple of, `n`: each is
+* Mamba heads, GDN value heads or query heads not a multiple of `n`: refused (a head cannot
+  be split).
+* `n_groups` (B/C groups), GDN key heads or KV heads fewer than, or not a multiple of, `n`:
+  each is
   repeated `lcm(count, n) / count` times, so every shard holds whole copies of the groups
   (KV heads) its heads read — `lcm(count, n)` always divides the head count, since both
   `count` and `n` do. The same rule vLLM applies to KV heads, applied to groups too.
@@ -47,6 +50,11 @@ class TensorParallelPlan:
                 f"tensor_parallel_size={n} must divide the Mamba heads "
                 f"(mamba_num_heads={cfg.mamba_num_heads}): each shard holds whole heads"
             )
+        if cfg.gdn_layers and cfg.gdn_num_value_heads % n:
+            raise ValueError(
+                f"tensor_parallel_size={n} must divide the Gated DeltaNet value heads "
+                f"(gdn_num_value_heads={cfg.gdn_num_value_heads}): each shard holds whole heads"
+            )
         if cfg.attention_layers and cfg.num_attention_heads % n:
             raise ValueError(
                 f"tensor_parallel_size={n} must divide the attention query heads "
@@ -57,6 +65,14 @@ class TensorParallelPlan:
     def groups(self) -> int:
         """B/C groups after repetition: lcm(n_groups, n), `groups / n` per shard."""
         return math.lcm(self.cfg.n_groups, self.size)
+
+    @property
+    def gdn_key_heads(self) -> int:
+        """GDN key heads after repetition: lcm(gdn_num_key_heads, n), `/ n` per shard (value
+        head h reads key head h // (HV / Hk), so a shard's value heads read whole copies)."""
+        if not self.cfg.gdn_layers:
+            return self.cfg.gdn_num_key_heads
+        return math.lcm(self.cfg.gdn_num_key_heads, self.size)
 
     @property
     def kv_heads(self) -> int:
@@ -80,7 +96,7 @@ class TensorParallelPlan:
             size=self.size,
             vocab_size=cfg.vocab_size,
             vocab_rows=self.padded_vocab // self.size,
-            norm_group_size=cfg.d_inner // cfg.n_groups,
+            norm_group_size=cfg.d_inner // cfg.n_groups if cfg.mamba_layers else 0,
         )
 
     def shard_config(self) -> ModelConfig:
@@ -88,6 +104,9 @@ class TensorParallelPlan:
         the sampler sees gathered logits; the embedding rows come from `layout()`)."""
         cfg, n = self.cfg, self.size
         local = dict(mamba_num_heads=cfg.mamba_num_heads // n, n_groups=self.groups // n)
+        if cfg.gdn_layers:
+            local.update(gdn_num_key_heads=self.gdn_key_heads // n,
+                         gdn_num_value_heads=cfg.gdn_num_value_heads // n)  # fmt: skip
         if cfg.attention_layers:
             local.update(num_attention_heads=cfg.num_attention_heads // n,
                          num_key_value_heads=self.kv_heads // n)  # fmt: skip
@@ -99,10 +118,18 @@ class TensorParallelPlan:
 
     def describe(self) -> str:
         cfg, n = self.cfg, self.size
-        parts = [f"{cfg.mamba_num_heads // n} of {cfg.mamba_num_heads} Mamba heads",
-                 f"{self.groups // n} of {self.groups} B/C groups"]  # fmt: skip
-        if self.groups != cfg.n_groups:
-            parts[-1] += f" (n_groups={cfg.n_groups} repeated {self.groups // cfg.n_groups}x)"
+        parts = []
+        if cfg.mamba_layers:
+            parts += [f"{cfg.mamba_num_heads // n} of {cfg.mamba_num_heads} Mamba heads",
+                      f"{self.groups // n} of {self.groups} B/C groups"]  # fmt: skip
+            if self.groups != cfg.n_groups:
+                parts[-1] += f" (n_groups={cfg.n_groups} repeated {self.groups // cfg.n_groups}x)"
+        if cfg.gdn_layers:
+            hv, hk = cfg.gdn_num_value_heads, cfg.gdn_num_key_heads
+            parts.append(f"{hv // n} of {hv} GDN value heads")
+            parts.append(f"{self.gdn_key_heads // n} of {self.gdn_key_heads} GDN key heads")
+            if self.gdn_key_heads != hk:
+                parts[-1] += f" (gdn_num_key_heads={hk} repeated {self.gdn_key_heads // hk}x)"
         if cfg.attention_layers:
             hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
             parts.append(f"{hq // n} of {hq} query heads")

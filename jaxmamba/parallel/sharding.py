@@ -6,7 +6,9 @@ declares, `model.LOGICAL_AXES`) into `n` equal contiguous blocks, block `s` on s
 Fused tensors are rearranged first so that block `s` is exactly what shard `s`'s layer
 expects: `in_proj`'s output columns `[z | x | B | C | dt]` become
 `[z_0 | x_0 | B_0 | C_0 | dt_0 | z_1 | ...]`, the conv channels `[x | B | C]` likewise, with
-B/C groups and KV heads repeated first where `n` exceeds them (`plan.py`). The state cache
+B/C groups and KV heads repeated first where `n` exceeds them (`plan.py`); a Gated DeltaNet
+in_proj's `[q | k | v | z | b | a]` and conv channels `[q | k | v]` the same way, key heads
+repeated where `n` exceeds them. The state cache
 is laid out the same way by construction: each shard's pools hold its own channels and
 heads.
 """
@@ -25,7 +27,7 @@ from jaxmamba.parallel.plan import TensorParallelPlan
 # Logical axes split over the tensor-parallel mesh axis; every other axis is replicated.
 SHARDED_AXES = frozenset(
     {"vocab", "mlp", "q_heads", "kv_heads", "mamba_in", "mamba_inner", "mamba_conv",
-     "mamba_heads", "moe_mlp"}
+     "mamba_heads", "moe_mlp", "gdn_in", "gdn_conv", "gdn_heads", "gdn_inner"}
 )  # fmt: skip
 
 
@@ -81,6 +83,13 @@ def _parts(plan: TensorParallelPlan, name: str, leaf: str, a: np.ndarray, axis: 
     if name == "mamba_conv":
         x, b, c = split([d, G * N, G * N])
         return [x, group(b), group(c)]
+    if name in ("gdn_in", "gdn_conv"):
+        hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
+        kd, vd = cfg.gdn_key_dim, cfg.gdn_value_dim
+        sizes = [kd, kd, vd] + ([vd, hv, hv] if name == "gdn_in" else [])
+        keys = lambda p: _repeat_blocks(p, axis, hk, cfg.gdn_key_head_dim, plan.gdn_key_heads // hk)  # noqa: E731
+        q, k, *rest = split(sizes)
+        return [keys(q), keys(k), *rest]
     if name == "kv_heads":
         hkv = cfg.num_key_value_heads
         return [_repeat_blocks(a, axis, hkv, cfg.head_dim, plan.kv_heads // hkv)]
