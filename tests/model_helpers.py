@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,3 +54,17 @@ def prefill_logits(runner: ModelRunner, rows: list[RowSpec], num_tokens: int | N
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
     return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+# Primitives a step must not contain: each waits for the host.
+FORBIDDEN = ("callback", "infeed", "outfeed")
+
+
+def primitive_names(jaxpr) -> set[str]:
+    """Every primitive of `jaxpr`, sub-jaxprs included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= primitive_names(sub)
+    return names

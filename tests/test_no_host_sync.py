@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend
 import numpy as np
 import pytest
 
@@ -14,18 +13,7 @@ from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import FULL, GREEDY, PLAIN, fallback_sampler
 from jaxmamba.model.params import init_params
 
-from model_helpers import builder, make_runner, row
-
-FORBIDDEN = ("callback", "infeed", "outfeed")
-
-
-def primitive_names(jaxpr) -> set[str]:
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names |= primitive_names(sub)
-    return names
+from model_helpers import FORBIDDEN, builder, make_runner, primitive_names, row
 
 
 @pytest.fixture(scope="module")

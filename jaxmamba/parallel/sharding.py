@@ -73,10 +73,9 @@ def _pad(a: np.ndarray, axis: int, size: int) -> np.ndarray:
 def _parts(plan: TensorParallelPlan, name: str, leaf: str, a: np.ndarray, axis: int):
     """The pieces of a fused axis, each already repeated/padded to a multiple of n."""
     cfg = plan.cfg
-    G, N, r = cfg.n_groups, cfg.ssm_state_size, plan.groups // cfg.n_groups
-    d = cfg.d_inner
+    G, N, d = cfg.n_groups, cfg.ssm_state_size, cfg.d_inner
     split = lambda sizes: np.split(a, np.cumsum(sizes)[:-1], axis=axis)  # noqa: E731
-    group = lambda p: _repeat_blocks(p, axis, G, N, r)  # noqa: E731
+    group = lambda p: _repeat_blocks(p, axis, G, N, plan.groups // G)  # noqa: E731
     if name == "mamba_in":
         z, x, b, c, dt = split([d, d, G * N, G * N, cfg.mamba_num_heads])
         return [z, x, group(b), group(c), dt]

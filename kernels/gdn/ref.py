@@ -82,7 +82,8 @@ def gdn_prefill_ref(
     # Γ_ij = exp(γ_i - γ_j) for i >= j, else 0; masked before exp so nothing overflows.
     decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
 
-    # (I + A) with A = StrictTril(diag(β) K Kᵀ ⊙ Γ); solve_triangular takes the unit diagonal.
+    # T = (I + A)⁻¹, A = StrictTril(diag(β) K Kᵀ ⊙ Γ): the solves read lhs's strict lower
+    # triangle only (unit_diagonal), so its diagonal (β_i k_i·k_i) is never used.
     kk = jnp.einsum("nhid,nhjd->nhij", kc, kc, precision=_HIGHEST)
     lhs = bc[..., :, None] * kk * decay  # [NC, HV, C, C]
     u = solve_triangular(lhs, bc[..., None] * vc, lower=True, unit_diagonal=True)
