@@ -138,6 +138,7 @@ def bench_one_batch(
     page_size: int = 16,
     impl: str = "auto",
     small_m_impl: str | None = None,
+    ssm_dtype: str = "float32",
     repeats: int = 5,
     phases: tuple[str, ...] = ("prefill", "decode"),
     max_setup_tokens: int = 32768,
@@ -162,7 +163,7 @@ def bench_one_batch(
     program (the argmax alone, where it has the variants); ``time_full_sampler`` also times
     the same steps with the full sampler (``decode-full``), ``time_plain_sampler`` with the
     sort-free one that draws and ranks (``decode-plain``: rows that ask for logprobs 0, or
-    sample)."""
+    sample). ``ssm_dtype`` is the recurrent states' dtype (`EngineConfig.ssm_dtype`)."""
     for name, value in (("batch", batch), ("input_len", input_len), ("output_len", output_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -171,7 +172,8 @@ def bench_one_batch(
         raise ValueError(f"phases must be a non-empty subset of prefill/decode, got {phases}")
     max_len = input_len + output_len + 1
     pages_per_seq = -(-max_len // page_size)
-    spec = CacheSpec(num_slots=batch, num_pages=batch * pages_per_seq, page_size=page_size)
+    spec = CacheSpec(num_slots=batch, num_pages=batch * pages_per_seq, page_size=page_size,
+                     ssm_dtype=ssm_dtype)  # fmt: skip
     runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl, small_m_impl=small_m_impl)
     builder = StepBuilder(spec, pages_per_seq, cfg.vocab_size, cfg.chunk_size)
     rng = np.random.default_rng(0)

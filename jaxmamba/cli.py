@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -35,6 +36,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_state_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from jaxmamba.engine.config import MAMBA_SSM_CACHE_DTYPES, EngineConfig
+
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == "mamba_ssm_cache_dtype")
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default=field.default,
+        choices=list(MAMBA_SSM_CACHE_DTYPES),
+        help=f"{field.metadata['help']} (default: {field.default})",
+    )
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int, default=8)
     p.add_argument("--max-model-len", type=_positive_int, default=2048)
@@ -65,6 +78,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="split the model over this many devices (docs/tensor_parallel.md)",
     )
+    _add_state_dtype_arg(p)
 
 
 def _llm(args):
@@ -82,6 +96,7 @@ def _llm(args):
         num_state_slots=args.num_state_slots,
         num_pages=args.num_pages,
         tensor_parallel_size=args.tensor_parallel_size,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         seed=args.seed,
         **cache_kwargs(args),
     )
@@ -133,8 +148,10 @@ def cmd_bench(args) -> int:
 
     from jaxmamba.bench import bench_one_batch, format_results
     from jaxmamba.config import ModelConfig
+    from jaxmamba.engine.config import ssm_cache_dtype
     from jaxmamba.llm import DTYPES, load_params, resolve_dtype
 
+    ssm_dtype = ssm_cache_dtype(args.mamba_ssm_cache_dtype)
     cfg = ModelConfig.load(args.model)
     dtype = DTYPES[resolve_dtype(args.dtype, args.model)]
     params = load_params(args.model, cfg, dtype, args.seed)
@@ -144,11 +161,11 @@ def cmd_bench(args) -> int:
             print(
                 f"bench {cfg.name or args.model}: batch {batch}, input {input_len}, "
                 f"output {args.output_len}, {jnp.dtype(dtype).name}, impl={args.impl}, "
-                f"small_m_impl={args.small_m_impl}"
+                f"small_m_impl={args.small_m_impl}, state {ssm_dtype}"
             )
             results += bench_one_batch(
                 cfg, params, batch=batch, input_len=input_len, output_len=args.output_len,
-                dtype=dtype, impl=args.impl, small_m_impl=args.small_m_impl,
+                dtype=dtype, impl=args.impl, small_m_impl=args.small_m_impl, ssm_dtype=ssm_dtype,
             )  # fmt: skip
     print(format_results(results))
     return 0
@@ -185,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "impl, or XLA's dot ('xla'); default: the Pallas kernel where --impl runs the GPU "
         "kernels, else XLA's dot",
     )
+    _add_state_dtype_arg(bench)
     bench.set_defaults(func=cmd_bench)
     from jaxmamba.serve.cli import add_parser as add_serve_parser
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig, checkpoint_dir
-from jaxmamba.engine.config import EngineConfig
+from jaxmamba.engine.config import EngineConfig, ssm_cache_dtype
 from jaxmamba.engine.engine import LLMEngine
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.inputs import parse_prompts
@@ -124,6 +124,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         tensor_parallel_size: int = 1,
+        mamba_ssm_cache_dtype: str = "float32",
         precompile: bool = False,
         seed: int = 0,
         impl: str = "auto",
@@ -149,7 +150,8 @@ class LLM:
                           max_prefill_seqs=max_prefill_seqs, page_size=page_size,
                           enable_prefix_caching=enable_prefix_caching,
                           track_interval=track_interval, num_state_slots=num_state_slots,
-                          num_pages=num_pages)  # fmt: skip
+                          num_pages=num_pages,
+                          mamba_ssm_cache_dtype=ssm_cache_dtype(mamba_ssm_cache_dtype))  # fmt: skip
             init_llm_from_artifact(
                 self, model, seed=seed, params=params, precompile=precompile, engine=engine
             )
@@ -174,6 +176,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             tensor_parallel_size=tensor_parallel_size,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
         ).for_chunk_size(self.model_cfg.chunk_size)
         if params is None:
             params = _load_params_for(model, self.model_cfg, self.dtype, seed,
@@ -188,6 +191,7 @@ class LLM:
             num_slots=self.engine_cfg.state_slots,
             num_pages=self.engine_cfg.pages,
             page_size=page_size,
+            ssm_dtype=self.engine_cfg.ssm_dtype,
         )
         self.runner = ModelRunner(
             self.model_cfg, params, spec, dtype=self.dtype, impl=impl,
@@ -322,7 +326,7 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
         from jaxmamba.parallel.plan import TensorParallelPlan
 
         shard_cfg = TensorParallelPlan(model_cfg, tp).shard_config()
-    per_slot = memory.slot_bytes(shard_cfg, itemsize)
+    per_slot = memory.slot_bytes(shard_cfg, itemsize, jnp.dtype(cfg.ssm_dtype).itemsize)
     per_page = memory.page_bytes(shard_cfg, cfg.page_size, itemsize)
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     plan = functools.partial(
@@ -410,7 +414,7 @@ def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params,
         probe = dataclasses.replace(
             cfg, num_state_slots=cfg.max_num_seqs, num_pages=cfg.max_pages_per_seq
         )
-    spec = CacheSpec(probe.state_slots, probe.pages, cfg.page_size)
+    spec = CacheSpec(probe.state_slots, probe.pages, cfg.page_size, cfg.ssm_dtype)
     buckets = Scheduler(model_cfg, probe).all_buckets()
     decode = [b for b in buckets if b.num_decode == b.num_rows]
     prefill = [b for b in buckets if b.num_decode < b.num_rows]

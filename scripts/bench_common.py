@@ -359,21 +359,23 @@ def cuda_graph(calls: Callable[[], Any]) -> Callable[[], None]:
     return graph.replay
 
 
-def sglang_steps_time(case: str, step: Callable[[int], Any], steps: int, reps: int, want_y0):
-    """SGLang's seconds a decode step. ``step(i)`` runs step ``i`` and returns its output;
-    step 0's is checked against ``want_y0`` first. Then ``step(0..steps-1)`` are captured in
-    one CUDA graph, replayed from a cold L2 (``torch_time``), as ours runs after the lead-in:
-    a replay whose data fits in L2 (the conv update at batch 1 touches ~32 MB) would
-    otherwise be served from the last replay's lines. The warm figure is printed beside it."""
+def sglang_steps_time(
+    case: str, step: Callable[[int], Any], steps: int, reps: int, want_y0, peer: str = "sglang"
+):
+    """SGLang's (or another ``peer``'s torch kernels') seconds a decode step. ``step(i)``
+    runs step ``i`` and returns its output; step 0's is checked against ``want_y0`` first.
+    Then ``step(0..steps-1)`` are captured in one CUDA graph, replayed from a cold L2
+    (``torch_time``), as ours runs after the lead-in: a replay whose data fits in L2 (the conv
+    update at batch 1 touches ~32 MB) would otherwise be served from the last replay's lines. The warm figure is printed beside it."""
     import torch
 
     y0 = step(0)
     torch.cuda.synchronize()
-    check(f"sglang {case} y (step 0)", y0.float().cpu().numpy(), want_y0, 1e-2)
+    check(f"{peer} {case} y (step 0)", y0.float().cpu().numpy(), want_y0, 1e-2)
     replay = cuda_graph(lambda: [step(i) for i in range(steps)])
     cold = torch_time(replay, reps, cold=True) / steps
     warm = torch_time(replay, reps) / steps
-    print(f"  sglang {case}: {cold * 1e6:.2f} us a step from a cold L2, {warm * 1e6:.2f} warm")
+    print(f"  {peer} {case}: {cold * 1e6:.2f} us a step from a cold L2, {warm * 1e6:.2f} warm")
     return cold
 
 
@@ -388,7 +390,7 @@ class Row:
     ours: float
     xla: float
     roof: float
-    sglang: float | None = None
+    peer: float | None = None  # the peer's kernel (the Table's `peer`: SGLang's, fla's)
     in_program: float | None = None  # ours inside a busy program (``Table.time_busy``)
     variants: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -397,7 +399,8 @@ class Table:
     """The rows of one run: printed as they come, timed inside busy programs at the end
     (``time_busy``), then printed as one markdown table."""
 
-    def __init__(self):
+    def __init__(self, peer: str = "SGLang"):
+        self.peer = peer  # whose kernels the rows' `peer` times are
         self.rows: list[Row] = []
         self.busy: list[tuple[Row, BusySteps]] = []
 
@@ -406,11 +409,12 @@ class Table:
         self.rows.append(row)
         if busy is not None:
             self.busy.append((row, busy))
-        sgl = f"{row.sglang * 1e6:9.1f}" if row.sglang else "      n/a"
-        ratio = f"{row.sglang / row.ours:5.2f}x" if row.sglang else "  n/a"
+        peer = self.peer.lower()
+        sgl = f"{row.peer * 1e6:9.1f}" if row.peer else "      n/a"
+        ratio = f"{row.peer / row.ours:5.2f}x" if row.peer else "  n/a"
         print(
             f"  {row.case:28s} ours {row.ours * 1e6:9.1f} us | xla {row.xla * 1e6:9.1f} | "
-            f"sglang {sgl} | sglang/ours {ratio} | roofline {row.roof * 1e6:7.1f} us = "
+            f"{peer} {sgl} | {peer}/ours {ratio} | roofline {row.roof * 1e6:7.1f} us = "
             f"{row.roof / row.ours:6.1%} of ours",
             flush=True,
         )
@@ -428,7 +432,7 @@ class Table:
                 except Exception as e:  # noqa: BLE001 - report and go on with the others
                     print(f"  {row.case} {label} in a busy program: FAILED {type(e).__name__}: {e}")
                     continue
-                ratio = f"sglang/ours {row.sglang / span:5.2f}x | " if row.sglang else ""
+                ratio = f"{self.peer}/ours {row.peer / span:5.2f}x | " if row.peer else ""
                 print(
                     f"  {row.case:20s} {label:32s} in a busy program: span {span * 1e6:8.1f} us "
                     f"a step, kernels {kernels * 1e6:8.1f} us ({per_step:.2f} a step) | {ratio}"
@@ -447,10 +451,10 @@ class Table:
             "ours in a busy program (us)": lambda r: _us(r.in_program),
             "XLA ref (us)": lambda r: f"{r.xla * 1e6:.1f}",
             "XLA/ours": lambda r: f"{r.xla / r.ours:.2f}",
-            "SGLang (us)": lambda r: _us(r.sglang),
-            "SGLang/ours": lambda r: f"{r.sglang / r.ours:.2f}" if r.sglang else "-",
-            "SGLang/ours in program": lambda r: (
-                f"{r.sglang / r.in_program:.2f}" if r.sglang and r.in_program else "-"
+            f"{self.peer} (us)": lambda r: _us(r.peer),
+            f"{self.peer}/ours": lambda r: f"{r.peer / r.ours:.2f}" if r.peer else "-",
+            f"{self.peer}/ours in program": lambda r: (
+                f"{r.peer / r.in_program:.2f}" if r.peer and r.in_program else "-"
             ),
             "roofline (us)": lambda r: f"{r.roof * 1e6:.1f}",
             "% of roofline (best of ours)": lambda r: (
@@ -478,11 +482,14 @@ def _us(seconds: float | None) -> str:
 
 
 def main_for(
-    description: str, cases: dict[str, Callable], add_args: Callable | None = None
+    description: str,
+    cases: dict[str, Callable],
+    add_args: Callable | None = None,
+    peer: str = "SGLang",
 ) -> None:
     """The ``main`` of a benchmark script: the common options, ``add_args``' own and
     ``--cases`` (a subset of ``cases``: name -> ``run(args, table)``), then the chosen cases'
-    rows into one table."""
+    rows into one table (``peer``: whose kernels the rows compare with)."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -495,7 +502,7 @@ def main_for(
     if unknown:
         parser.error(f"unknown --cases {sorted(unknown)}; choose from {list(cases)}")
     start(args)
-    table = Table()
+    table = Table(peer)
     for name in args.cases.split(","):
         cases[name](args, table)
     table.finish(args)

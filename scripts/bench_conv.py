@@ -115,7 +115,7 @@ def bench_prefill(num_seqs: int, seqlen: int, args, table: bc.Table, rng) -> Non
         return timed(fn)
 
     bc.time_variants(row, {n: functools.partial(measure, n, op) for n, op in variants.items()})
-    row.sglang = sglang_prefill_time(xs, w, bias, init, has_init, cu, ref[0], args.reps)
+    row.peer = sglang_prefill_time(xs, w, bias, init, has_init, cu, ref[0], args.reps)
 
     # Inside a busy program, as the model's prefill program runs it: the initial states ride
     # as the "pool", the sequence bounds last (``busy_program`` gates them). Each call's final
@@ -204,7 +204,7 @@ def bench_update(rows: int, steps: int, args, table: bc.Table, rng) -> None:
         f"conv update bs {rows}", step_op, checked, pools, inputs, args=args, max_calls=64,
         roof=bc.roofline(nbytes), variants=update_variants(args.smoke) if args.sweep else {},
     )  # fmt: skip
-    row.sglang = sglang_update_time(pool, x, w, bias, slot_sets, ref_y, args.reps)
+    row.peer = sglang_update_time(pool, x, w, bias, slot_sets, ref_y, args.reps)
     table.add(row, busy)
 
 

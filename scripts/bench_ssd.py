@@ -251,7 +251,7 @@ def bench_case(name: str, args, table: bc.Table, block_sizes=None) -> None:
             print(f"ssd {name}: sglang FAILED {type(e).__name__}: {str(e)[:300]}")
     name = f"ssd {name}{'' if ok else ' (MISMATCH)'}"
     table.add(
-        bc.Row(name, ours=t_ours, xla=t_ref, roof=roofline(s, lengths, with_init), sglang=t_sgl)
+        bc.Row(name, ours=t_ours, xla=t_ref, roof=roofline(s, lengths, with_init), peer=t_sgl)
     )
 
 

@@ -94,7 +94,7 @@ def bench_batch(rows: int, steps: int, args, table: bc.Table, rng) -> None:
         f"state update bs {rows}", step_op, checked, pools, inputs, args=args, max_calls=16,
         roof=bc.roofline(nbytes), variants=variants(args.smoke) if args.sweep else {},
     )  # fmt: skip
-    row.sglang = sglang_time(rows, steps, args.reps, (state, x, dt, bmat, cmat, a, d, dt_bias),
+    row.peer = sglang_time(rows, steps, args.reps, (state, x, dt, bmat, cmat, a, d, dt_bias),
                              slot_sets, ref_y)  # fmt: skip
     table.add(row, busy)
 

@@ -5,7 +5,8 @@ this project's jax version and this checkout installed (the kernels come from
 ``jaxmamba.kernels``). Prints one ``OK <case>`` line per kernel and exits non-zero on the
 first failure. Shapes: Nemotron-Nano-9B-v2's Mamba layer (H 128, P 80, G 8, N 128,
 conv_dim 12288, K 4), bf16 activations, fp32 SSM state, bf16 conv state; its attention layer
-(40 query / 8 KV heads of 128) over a bf16 paged cache of 16-token pages.
+(40 query / 8 KV heads of 128) over a bf16 paged cache of 16-token pages; Qwen3-Next's Gated
+DeltaNet layer (16 key / 32 value heads of 128, chunk 64), bf16 activations, fp32 state.
 
     TPU_PYTHON=$(scripts/setup_tpu_venv.sh .venv/bin/python)
     $TPU_PYTHON scripts/tpu_compile_kernels.py [--topology v6e:2x2]
@@ -27,9 +28,11 @@ from jaxmamba.kernels import (
     paged_attention,
     selective_state_update,
 )
+from jaxmamba.kernels.gdn import gdn_decode, gdn_prefill
 
 H, P, G, N, DIM, K = 128, 80, 8, 128, 12288, 4
 HQ, HKV, DH, PAGE, MAX_PAGES = 40, 8, 128, 16, 256
+HK, HV, DK, DV, GDN_CHUNK = 16, 32, 128, 128, 64
 ACT, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
 
@@ -72,6 +75,25 @@ def cases(slots: int, rows: int, tokens: int, seqs: int):
             [((num_tokens, HQ, DH), ACT), pages, pages, ((num_rows, MAX_PAGES), I32)]
             + [((num_tokens,), I32)] * 2,
         )
+    yield (
+        "gdn_prefill",
+        lambda q, k, v, g, beta, cu, init, starts, wanted: gdn_prefill(
+            q, k, v, g, beta, cu, chunk_size=GDN_CHUNK, initial_states=init,
+            start_positions=starts, state_chunks=wanted, impl="pallas_tpu",
+        ),
+        (),
+        [((tokens, HK, DK), ACT)] * 2 + [((tokens, HV, DV), ACT)] + [((tokens, HV), F32)] * 2
+        + [((seqs + 1,), I32), ((seqs, HV, DK, DV), F32), ((seqs,), I32), ((seqs,), I32)],
+    )  # fmt: skip
+    yield (
+        "gdn_decode",
+        lambda st, q, k, v, a, b, a_log, bias, s: gdn_decode(
+            st, q, k, v, a, b, a_log, bias, s, impl="pallas_tpu"
+        ),
+        (0,),
+        [((slots, HV, DK, DV), F32)] + [((rows, HK, DK), ACT)] * 2 + [((rows, HV, DV), ACT)]
+        + [((rows, HV), ACT)] * 2 + [((HV,), F32)] * 2 + [((rows,), I32)],
+    )  # fmt: skip
 
 
 def main() -> None:

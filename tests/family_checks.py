@@ -34,13 +34,14 @@ def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rel: float = 1e-4) ->
     assert err <= rel * scale, f"max abs logit diff {err:.3g} > {rel} x scale {scale:.3g}"
 
 
-def check_prefill_logits(path, model, *, seed: int = 0) -> None:
-    """Several odd-length prompts packed into one padded prefill step, each against HF."""
+def check_prefill_logits(path, model, *, seed: int = 0, lengths: list[int] | None = None) -> None:
+    """Several odd-length prompts packed into one padded prefill step, each against HF.
+    `lengths` defaults to chunk-relative ones (1, c - 1, 2c + 5, c + 3)."""
     cfg = ModelConfig.load(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=np.float32)
     runner = make_runner(cfg, params)
     c = cfg.chunk_size
-    lengths = [1, c - 1, 2 * c + 5, c + 3]
+    lengths = lengths or [1, c - 1, 2 * c + 5, c + 3]
     prompts = random_prompts(np.random.default_rng(seed), lengths, cfg.vocab_size)
     rows = [row(p, 0, slot) for slot, p in enumerate(prompts)]
     ours = prefill_logits(runner, rows, num_tokens=sum(lengths) + 5)
@@ -48,12 +49,14 @@ def check_prefill_logits(path, model, *, seed: int = 0) -> None:
         assert_logits_close(logits, hf_logits(model, p))
 
 
-def check_bf16_prefill_logits(path, model, *, rel: float = 0.06) -> None:
-    """bf16 weights and activations on both sides: the same logits within bf16 rounding."""
+def check_bf16_prefill_logits(path, model, *, rel: float = 0.06, length: int | None = None) -> None:
+    """bf16 weights and activations on both sides: the same logits within bf16 rounding, on
+    one prompt of `length` tokens (default 2c + 3)."""
     cfg = ModelConfig.load(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=jnp.bfloat16)
     runner = make_runner(cfg, params, dtype=jnp.bfloat16)
-    prompt = random_prompts(np.random.default_rng(5), [2 * cfg.chunk_size + 3], cfg.vocab_size)[0]
+    length = length or 2 * cfg.chunk_size + 3
+    prompt = random_prompts(np.random.default_rng(5), [length], cfg.vocab_size)[0]
     (ours,) = prefill_logits(runner, [row(prompt, 0, 0)])
     ref = hf_logits(copy.deepcopy(model).to(torch.bfloat16), prompt)
     assert_logits_close(np.asarray(ours, np.float32), ref, rel=rel)
@@ -81,9 +84,15 @@ def check_generation(path, model, *, max_tokens: int = 5) -> None:
     """Greedy generation through the engine (decode through the cache; a prompt longer than the
     token budget is prefilled in chunks) equals HF `generate`, logprobs too; then a prompt
     extending the first hits the prefix cache and still equals HF."""
-    llm = LLM(str(path), max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, page_size=4)
+    chunk = ModelConfig.load(str(path)).chunk_size
+    block = math.lcm(chunk, 4)
+    # 64, or what the longest prompt and its completion need (chunks of 64: Gated DeltaNet).
+    max_model_len = max(64, 2 * block + 8 + max_tokens)
+    llm = LLM(
+        str(path), max_num_seqs=2, max_model_len=max_model_len, max_num_batched_tokens=16,
+        page_size=4,
+    )  # fmt: skip
     cfg = llm.model_cfg
-    block = math.lcm(cfg.chunk_size, 4)
     rng = np.random.default_rng(1)
     first = random_prompts(rng, [2 * block + 5, 3], cfg.vocab_size)  # 2 block + 5 > 16: chunked
     extended = [first[0] + random_prompts(rng, [3], cfg.vocab_size)[0]]

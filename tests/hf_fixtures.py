@@ -246,3 +246,75 @@ def edit_tokenizer(
         else:
             config[key] = value
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): head counts and sizes that divide awkwardly —
+# 3 value heads per key head, Dk != Dv, head_dim 40 with partial_rotary_factor 0.25 (rope_dim
+# 10), hidden 32 smaller than every head's width. No pad id: HF `generate` would mask the pad id
+# wherever a random prompt holds it.
+GDN_TINY = dict(
+    vocab_size=97, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=24,
+    linear_value_head_dim=40, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, pad_token_id=None,
+)  # fmt: skip
+GDN_LAYERS = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+GDN_MOE = dict(
+    num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+)  # fmt: skip
+
+
+def _rope(theta: float, **mrope) -> dict:
+    return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25, **mrope}
+
+
+def make_qwen3_next_checkpoint(path, *, layer_types=GDN_LAYERS, seed: int = 0, **overrides):
+    """Save a random float32 Qwen3NextForCausalLM (MoE after every layer but layer 1, which
+    has a dense MLP) to `path`; returns (path, torch_model)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    kwargs = dict(
+        GDN_TINY, **GDN_MOE, layer_types=list(layer_types), num_hidden_layers=len(layer_types),
+        intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+        rope_parameters=_rope(1000.0),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(**{**kwargs, **overrides})
+    return save_random_checkpoint(Qwen3NextForCausalLM(config), Path(path), seed)
+
+
+def make_qwen3_5_checkpoint(
+    path, *, moe: bool = False, multimodal: bool = False, layer_types=GDN_LAYERS, seed: int = 0,
+    **overrides,
+):  # fmt: skip
+    """Save a random float32 Qwen3.5 model to `path`; returns (path, torch_model). Dense
+    (`Qwen3_5ForCausalLM`) or MoE (`Qwen3_5MoeForCausalLM`); `multimodal`: the
+    `Qwen3_5(Moe)ForConditionalGeneration` the published checkpoints are, with a tiny vision
+    tower left at HF's initialisation (only the text model is redrawn). Its RoPE carries
+    M-RoPE's `mrope_section`/`mrope_interleaved`, as the published configs do."""
+    import transformers as tf
+
+    text = dict(
+        GDN_TINY, layer_types=list(layer_types), num_hidden_layers=len(layer_types),
+        rope_parameters=_rope(1000.0, mrope_section=[2, 2, 1], mrope_interleaved=True),
+    )  # fmt: skip
+    text.update(GDN_MOE if moe else dict(intermediate_size=48))
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    torch.manual_seed(seed)
+    if not multimodal:
+        config = getattr(tf, f"{prefix}TextConfig")(**{**text, **overrides})
+        return save_random_checkpoint(getattr(tf, f"{prefix}ForCausalLM")(config), Path(path), seed)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  patch_size=4, num_position_embeddings=16)  # fmt: skip
+    tie = overrides.pop("tie_word_embeddings", False)
+    config = getattr(tf, f"{prefix}Config")(
+        text_config={**text, **overrides}, vision_config=vision, tie_word_embeddings=tie
+    )
+    model = getattr(tf, f"{prefix}ForConditionalGeneration")(config).float().eval()
+    perturb_parameters(model.model.language_model, seed)
+    if not tie:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(2.0 * torch.randn(model.lm_head.weight.shape) / 32**0.5)
+    model.save_pretrained(path)
+    return Path(path), model

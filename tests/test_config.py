@@ -1,10 +1,12 @@
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
 from jaxmamba.config import ModelConfig, list_presets
+from jaxmamba.engine.config import EngineConfig
 
 NANO_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
 
@@ -236,6 +238,27 @@ def test_bad_dataclass_values_raise_naming_the_field():
     del d["head_dim"]
     with pytest.raises(ValueError, match=r"missing ModelConfig fields \['head_dim'\]"):
         ModelConfig.from_dict(d)
+
+
+def test_mamba_ssm_cache_dtype_auto_keeps_the_state_float32():
+    assert EngineConfig().mamba_ssm_cache_dtype == "float32"
+    assert EngineConfig().ssm_dtype == "float32"
+    assert EngineConfig(mamba_ssm_cache_dtype="auto").ssm_dtype == "float32"
+    assert EngineConfig(mamba_ssm_cache_dtype="bfloat16").ssm_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("bad", ["float16", "bf16", "fp32", "", None, 2])
+def test_bad_mamba_ssm_cache_dtype_is_refused_naming_the_field_and_the_choices(bad):
+    from jaxmamba import LLM
+
+    message = (
+        r"EngineConfig.mamba_ssm_cache_dtype must be one of \['auto', 'bfloat16', 'float32'\], "
+        rf"got {re.escape(repr(bad))}"
+    )
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(mamba_ssm_cache_dtype=bad)
+    with pytest.raises(ValueError, match=message):
+        LLM("nemotron-h-tiny", mamba_ssm_cache_dtype=bad)
 
 
 def test_malformed_config_json_raises_with_its_path(tmp_path):

@@ -249,6 +249,35 @@ def test_no_sampler_variants_exports_one_program_a_bucket(tmp_path):
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
     steps = llm.runner.variant_steps
     assert steps["full"] == 3 and steps["plain"] == steps["greedy"] == 0
+    with pytest.raises(ValueError, match="engine field 'mamba_ssm_cache_dtype' holds 'float32'"):
+        LLM(str(out), compilation_cache=False, mamba_ssm_cache_dtype="bfloat16")
+
+
+def test_artifact_keeps_the_bfloat16_state_dtype(tmp_path):
+    """`export --mamba-ssm-cache-dtype bfloat16`: the manifest's cache and engine settings
+    hold it, and `LLM(artifact)` runs its steps on a bf16 state cache."""
+    import json
+
+    from jaxmamba import LLM, SamplingParams
+    from jaxmamba.cli import main
+
+    out = tmp_path / "art"
+    argv = ["export", "--model", "nemotron-h-tiny", "--out", str(out), "--max-num-seqs", "1",
+            "--max-model-len", "16", "--max-num-batched-tokens", "8", "--no-sampler-variants",
+            "--mamba-ssm-cache-dtype", "bfloat16"]  # fmt: skip
+    assert main(argv) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cache"]["ssm_dtype"] == "bfloat16"
+    assert manifest["engine"]["mamba_ssm_cache_dtype"] == "bfloat16"
+    llm = LLM(str(out), compilation_cache=False, mamba_ssm_cache_dtype="bfloat16")
+    assert llm.runner.cache_spec.ssm_dtype == "bfloat16"
+    assert llm.engine_cfg.ssm_dtype == "bfloat16"
+    dtypes = [a["dtype"] for a in manifest["state"]["cache"]]  # conv, ssm, k, v pools
+    assert dtypes.count("bfloat16") == len(llm.model_cfg.recurrent_layers)
+    assert [x.dtype.name for x in llm.runner.cache] == dtypes
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    (result,) = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
+    assert len(result.outputs[0].token_ids) == 2
 
 
 _WARM_CACHE_SCRIPT = """

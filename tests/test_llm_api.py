@@ -166,6 +166,72 @@ def test_cli_generate_prints_throughput_and_rejects_bad_models(capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_bfloat16_state_keeps_greedy_tokens_close_to_float32(llm):
+    """mamba_ssm_cache_dtype="bfloat16" stores every recurrent state in bf16: the greedy
+    tokens' logprobs stay within rounding of float32's (a token may differ only where its
+    logprob ties the float32 choice's, and the texts part from there)."""
+    import jax.numpy as jnp
+
+    bf16 = LLM("nemotron-h-tiny", max_num_seqs=4, max_model_len=96, max_num_batched_tokens=64,
+               mamba_ssm_cache_dtype="bfloat16", params=llm.runner.params)  # fmt: skip
+    assert bf16.runner.cache_spec.ssm_dtype == "bfloat16"
+    assert all(x.dtype == jnp.bfloat16 for x in bf16.runner.cache.ssm)
+    assert all(x.dtype == jnp.float32 for x in bf16.runner.cache.conv)
+    assert all(x.dtype == jnp.float32 for x in llm.runner.cache.ssm)
+    # 70 tokens: a prefill in two chunks, the state stored in between.
+    prompts = [np.random.default_rng(1).integers(0, 256, 70).tolist(), [10, 20, 30]]
+    ref = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(16, logprobs=1))
+    got = bf16.generate(prompt_token_ids=prompts, sampling_params=greedy(16, logprobs=1))
+    for r, g in zip(ref, got, strict=True):
+        r, g = r.outputs[0], g.outputs[0]
+        for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=True)):
+            assert g.logprobs[i][b].logprob == pytest.approx(r.logprobs[i][a].logprob, abs=1e-2)
+            if a != b:
+                break
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve", "export", "aot"])
+def test_cli_mamba_ssm_cache_dtype_reaches_the_engine(monkeypatch, command):
+    """`--mamba-ssm-cache-dtype` of every engine-building command reaches `LLM(...)`, the
+    exported or compiled engine's settings, or the benchmark's cache."""
+    import functools
+
+    import jaxmamba.bench
+    import jaxmamba.export.aot
+    import jaxmamba.export.writer
+    from jaxmamba.cli import main
+    from jaxmamba.engine.config import EngineConfig
+
+    seen = {}
+
+    class Reached(Exception):
+        pass
+
+    @functools.wraps(LLM.__init__)
+    def llm_init(self, model, **kwargs):
+        seen["llm"] = kwargs["mamba_ssm_cache_dtype"]
+        raise Reached
+
+    def export(model, out, *, engine, **kwargs):
+        seen["engine"] = EngineConfig(**engine).ssm_dtype
+        raise Reached
+
+    def bench(cfg, params, **kwargs):
+        seen["bench"] = kwargs["ssm_dtype"]
+        raise Reached
+
+    monkeypatch.setattr(LLM, "__init__", llm_init)
+    monkeypatch.setattr(jaxmamba.export.writer, "export_artifact", export)
+    monkeypatch.setattr(jaxmamba.export.aot, "aot_compile", lambda model, *, engine, **kw: export(
+        model, None, engine=engine))  # fmt: skip
+    monkeypatch.setattr(jaxmamba.bench, "bench_one_batch", bench)
+    argv = [command, "--model", "nemotron-h-tiny", "--mamba-ssm-cache-dtype", "bfloat16"]
+    argv += {"export": ["--out", "unused"], "bench": ["--batch-size", "1"]}.get(command, [])
+    with pytest.raises(Reached):
+        main(argv)
+    assert list(seen.values()) == ["bfloat16"]
+
+
 def test_every_vllm_prompt_form_gives_the_same_completion(llm):
     ids = llm.get_tokenizer().encode("JAX")
     assert ids == [256, *b"JAX"]
@@ -269,6 +335,7 @@ def test_default_track_interval_fits_a_chunk_size_that_is_no_power_of_two(tmp_pa
         (["bench", "--input-len", "x"], "--input-len: must be a positive int, got 'x'"),
         (["bench", "--max-model-len", "64"], "unrecognized arguments: --max-model-len"),
         (["generate", "--max-num-seqs", "0"], "--max-num-seqs: must be a positive int"),
+        (["serve", "--mamba-ssm-cache-dtype", "float16"], "--mamba-ssm-cache-dtype: invalid"),
     ],
 )
 def test_cli_rejects_bad_sizes_and_bench_offers_no_engine_limits(capsys, argv, message):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba.config import list_presets
 from jaxmamba.engine import memory
 from jaxmamba.engine import runner as runner_mod
 from jaxmamba.engine.config import EngineConfig
@@ -16,21 +17,32 @@ from jaxmamba.model.cache import CacheSpec, cache_bytes
 from jaxmamba.model.params import init_params
 from jaxmamba.model.sampling import init_penalty_state
 
+# Mamba2 hybrids, and a Gated DeltaNet one (its delta-rule states share the slot pools)
+# where its preset is installed.
+PRESETS = ["nemotron-h-tiny", "nemotron-nano-9b-v2"] + [
+    p for p in ["qwen3-next-tiny"] if p in list_presets()
+]
 
-@pytest.mark.parametrize("preset", ["nemotron-h-tiny", "nemotron-nano-9b-v2"])
+
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_slot_and_page_bytes_equal_the_cache_arrays(preset, dtype):
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+def test_slot_and_page_bytes_equal_the_cache_arrays(preset, dtype, ssm_dtype):
     cfg = ModelConfig.from_preset(preset)
     itemsize = jnp.dtype(dtype).itemsize
+    ssm_itemsize = jnp.dtype(ssm_dtype).itemsize
 
     def total(slots, pages):
         sampler = jax.eval_shape(lambda: init_penalty_state(slots, cfg.vocab_size))
         sampler_bytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(sampler))
         last_tokens = 4 * (slots + 1)
-        return cache_bytes(cfg, CacheSpec(slots, pages, 16), dtype) + sampler_bytes + last_tokens
+        spec = CacheSpec(slots, pages, 16, ssm_dtype)
+        return cache_bytes(cfg, spec, dtype) + sampler_bytes + last_tokens
 
-    assert memory.slot_bytes(cfg, itemsize) == total(3, 5) - total(2, 5)
+    assert memory.slot_bytes(cfg, itemsize, ssm_itemsize) == total(3, 5) - total(2, 5)
     assert memory.page_bytes(cfg, 16, itemsize) == total(3, 5) - total(3, 4)
+    _, state = cfg.slot_state_elements()
+    assert memory.slot_bytes(cfg, itemsize, 4) - memory.slot_bytes(cfg, itemsize, 2) == 2 * state
 
 
 def plan(budget, **kw):
@@ -136,6 +148,36 @@ def test_kv_cache_memory_bytes_sizes_the_cache(params):
     with pytest.raises(ValueError, match=r"num_pages=100000 .* at most \d+ pages fit"):
         LLM("nemotron-h-tiny", kv_cache_memory_bytes=budget, num_pages=100_000, params=params,
             **TINY)  # fmt: skip
+
+
+def test_bfloat16_state_counts_two_bytes_so_more_slots_fit(params):
+    """mamba_ssm_cache_dtype="bfloat16": every recurrent state is bf16 (conv windows keep the
+    model dtype), a slot is 2 bytes a state element smaller, and a budget holds more slots."""
+    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    budget = 2 << 20
+    llms = {
+        ssm: LLM(
+            "nemotron-h-tiny",
+            kv_cache_memory_bytes=budget,
+            num_pages=24,
+            params=params,
+            mamba_ssm_cache_dtype=ssm,
+            **TINY,
+        )
+        for ssm in ("float32", "bfloat16")
+    }
+    f32, bf16 = (llms[k].cache_plan for k in ("float32", "bfloat16"))
+    _, state = cfg.slot_state_elements()
+    assert f32.per_slot - bf16.per_slot == 2 * state
+    # The budget beside the pad slot, the pad page and the 24 pages goes to slots.
+    rest = budget - bf16.fixed - bf16.per_slot - 25 * bf16.per_page
+    assert bf16.state_slots == rest // bf16.per_slot > f32.state_slots
+    cache = llms["bfloat16"].runner.cache
+    assert {x.dtype for x in cache.ssm} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in cache.conv} == {jnp.dtype(jnp.float32)}
+    assert llms["bfloat16"].runner.cache_spec.ssm_dtype == "bfloat16"
+    assert {x.dtype for x in llms["float32"].runner.cache.ssm} == {jnp.dtype(jnp.float32)}
+    assert device_bytes(llms["bfloat16"]) == bf16.cache_bytes <= budget
 
 
 def test_cpu_max_model_len_beyond_host_memory_is_an_error_not_an_oom(params):

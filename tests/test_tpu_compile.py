@@ -22,6 +22,8 @@ EXPECTED = (
     "causal_conv1d_varlen",
     "paged_attention_prefill",
     "paged_attention_decode",
+    "gdn_prefill",
+    "gdn_decode",
 )
 
 

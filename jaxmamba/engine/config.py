@@ -1,12 +1,27 @@
-"""The engine's settings: batch limits, pool sizes, prefix caching, checkpoint spacing."""
+"""The engine's settings: batch limits, pool sizes, prefix caching, checkpoint spacing, the
+recurrent state's dtype."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxmamba.engine.memory import default_sizes
+
+# `mamba_ssm_cache_dtype` -> the dtype the recurrent states are stored in (the field's help
+# says why auto is float32).
+MAMBA_SSM_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def ssm_cache_dtype(setting: str) -> str:
+    """The recurrent states' dtype name for a `mamba_ssm_cache_dtype` setting."""
+    if not isinstance(setting, str) or setting not in MAMBA_SSM_CACHE_DTYPES:
+        raise ValueError(
+            f"EngineConfig.mamba_ssm_cache_dtype must be one of {sorted(MAMBA_SSM_CACHE_DTYPES)}, "
+            f"got {setting!r}"
+        )
+    return MAMBA_SSM_CACHE_DTYPES[setting]
 
 
 @dataclass(frozen=True)
@@ -30,6 +45,15 @@ class EngineConfig:
     # Devices the model is split over (jaxmamba.parallel, docs/tensor_parallel.md); the cache
     # sizes above are then per shard's share of every slot and page.
     tensor_parallel_size: int = 1
+    mamba_ssm_cache_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype of every recurrent layer's state (Mamba2 SSM and Gated DeltaNet "
+            "states; conv windows keep the model dtype): bfloat16 halves the state's bytes, so "
+            "more state slots fit; auto is float32 here (vLLM's auto follows the model dtype), "
+            "since the state accumulates over the whole sequence"
+        },
+    )
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
@@ -45,6 +69,7 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        ssm_cache_dtype(self.mamba_ssm_cache_dtype)
 
     def for_chunk_size(self, chunk_size: int) -> EngineConfig:
         """This config with `track_interval` resolved for a model of `chunk_size`: a user's
@@ -59,6 +84,11 @@ class EngineConfig:
                 f"lcm(chunk_size={chunk_size}, page_size={self.page_size}) = {block}"
             )
         return self
+
+    @property
+    def ssm_dtype(self) -> str:
+        """The recurrent states' dtype (`CacheSpec.ssm_dtype`)."""
+        return ssm_cache_dtype(self.mamba_ssm_cache_dtype)
 
     @property
     def max_pages_per_seq(self) -> int:

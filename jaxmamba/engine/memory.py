@@ -21,10 +21,10 @@ to checkpoint slots, each with the pages of one `track_interval` of tokens (a ca
 holds one checkpoint per interval, and its KV spans that interval), and what is left over
 to more pages. Explicit `num_state_slots`/`num_pages` are taken as they are and checked.
 
-A state slot holds every Mamba layer's SSM and conv state plus the sampler's per-slot
-state (the last token, the prompt-token mask and the output counts of `[V]` each); a page
-holds K and V of `page_size` tokens in every attention layer. One more of each is the pad
-sink.
+A state slot holds every recurrent layer's state (in `mamba_ssm_cache_dtype`) and conv
+window plus the sampler's per-slot state (the last token, the prompt-token mask and the
+output counts of `[V]` each); a page holds K and V of `page_size` tokens in every attention
+layer. One more of each is the pad sink.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ def fmt_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.2f} MiB"
 
 
-def slot_bytes(cfg: ModelConfig, act_itemsize: int, ssm_itemsize: int = 4) -> int:
+def slot_bytes(cfg: ModelConfig, act_itemsize: int, ssm_itemsize: int) -> int:
     """Bytes of one state slot: the recurrent state (SSM `[H, P, N]` or delta-rule
-    `[HV, Dk, Dv]`) and conv window of every recurrent layer, and the sampler's last token
-    (i32), prompt mask (bool[V]) and output counts (i32[V])."""
+    `[HV, Dk, Dv]`, of `ssm_itemsize` bytes: `mamba_ssm_cache_dtype`) and conv window (of the
+    activation dtype) of every recurrent layer, and the sampler's last token (i32), prompt
+    mask (bool[V]) and output counts (i32[V])."""
     conv, state = cfg.slot_state_elements()
     sampler = 4 + cfg.vocab_size * (1 + 4)
     return state * ssm_itemsize + conv * act_itemsize + sampler

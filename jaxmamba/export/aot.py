@@ -144,6 +144,7 @@ def aot_compile(
         num_slots=engine_cfg.state_slots,
         num_pages=engine_cfg.pages,
         page_size=engine_cfg.page_size,
+        ssm_dtype=engine_cfg.ssm_dtype,
     )
     all_buckets = Scheduler(cfg, engine_cfg).all_buckets()
     if buckets is not None:

@@ -401,7 +401,7 @@ class ArtifactCachePlan:
 # EngineConfig fields an artifact fixes (its bucket shapes and cache depend on them).
 _ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_prefill_seqs",
                   "page_size", "enable_prefix_caching", "track_interval", "num_state_slots",
-                  "num_pages")  # fmt: skip
+                  "num_pages", "mamba_ssm_cache_dtype")  # fmt: skip
 
 
 def engine_config(artifact: Artifact, requested: dict | None = None) -> EngineConfig:

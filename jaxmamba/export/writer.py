@@ -204,7 +204,7 @@ def _setup(model: str, engine: dict | None, dtype: str):
     engine_cfg = EngineConfig(**(engine or {})).for_chunk_size(cfg.chunk_size)
     spec = CacheSpec(
         num_slots=engine_cfg.state_slots, num_pages=engine_cfg.pages,
-        page_size=engine_cfg.page_size,
+        page_size=engine_cfg.page_size, ssm_dtype=engine_cfg.ssm_dtype,
     )  # fmt: skip
     builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
     return dtype_name, cfg, engine_cfg, spec, builder, tokenizer

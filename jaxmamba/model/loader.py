@@ -12,6 +12,7 @@ host memory flat for large checkpoints.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -30,14 +31,20 @@ from jaxmamba.model.families.common import Entry, is_base
 
 Params = dict[str, Any]
 
+logger = logging.getLogger(__name__)
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 
 # Tensors a checkpoint may carry that we deliberately do not load.
 IGNORABLE_TENSORS = (
-    re.compile(r"^mtp\."),  # NemotronH multi-token-prediction heads (num_nextn_predict_layers)
+    re.compile(r"^mtp\."),  # multi-token-prediction heads (NemotronH, Qwen3-Next, Qwen3.5)
     re.compile(r"(^|\.)rotary_emb\.inv_freq$"),  # non-persistent RoPE buffers of old exports
 )
+# Modules of a multimodal checkpoint beside the text model we serve: skipped, with one log line
+# per module giving the count (Qwen3.5's vision tower; transformers' Qwen3_5ForCausalLM skips
+# it too).
+SKIPPED_MODULES = (("vision-tower", re.compile(r"^model\.visual\.")),)
 
 _ST_DTYPES = {
     "F64": np.dtype(np.float64),
@@ -224,28 +231,45 @@ def _find_prefix(names: set[str], path: Path, cfg: ModelConfig) -> str:
     )
 
 
-def _read(ckpt, names: set[str], prefix: str, e: Entry, path: Path) -> tuple[np.ndarray, list]:
-    """The HF tensor(s) of entry `e` (stacked when it has several), and the names read."""
-    hf_names = e.hf_name if isinstance(e.hf_name, tuple) else (e.hf_name,)
-    arrays, used = [], []
-    for name in hf_names:
+def _resolve(names: set[str], prefix: str, e: Entry) -> list[str | None]:
+    """The checkpoint name of each of `e`'s HF tensors (None where absent)."""
+    out = []
+    for name, _ in e.hf_parts():
         full = prefix + name if is_base(e) else name
         if full not in names:
-            full = next((prefix + a for a in e.alt_names if prefix + a in names), full)
-        if full not in names:
-            raise ValueError(
-                f"checkpoint {path} is missing tensor {full!r} (for {_path_str(e.path)}, "
-                f"expected HF shape {list(e.hf_shape)})"
-            )
+            full = next((prefix + a for a in e.alt_names if prefix + a in names), None)
+        out.append(full)
+    return out
+
+
+def _read(ckpt, names: set[str], prefix: str, e: Entry, path: Path) -> tuple[np.ndarray, list]:
+    """Entry `e`'s array in our layout (from its own HF tensors, or else from those of the
+    first of its alternatives that the checkpoint holds), and the names read."""
+    for layout in (e, *e.alternatives):
+        found = _resolve(names, prefix, layout)
+        if None not in found:
+            break
+    else:
+        layout, found = e, _resolve(names, prefix, e)
+        name, shape = e.hf_parts()[found.index(None)]
+        full = prefix + name if is_base(e) else name
+        others = "".join(
+            f", nor {prefix + a.hf_parts()[0][0]!r} (another layout)" for a in e.alternatives
+        )
+        raise ValueError(
+            f"checkpoint {path} is missing tensor {full!r} (for {_path_str(e.path)}, "
+            f"expected HF shape {list(shape)}){others}"
+        )
+    arrays = []
+    for full, (_, want) in zip(found, layout.hf_parts(), strict=True):
         shape = ckpt.shape(full)
-        if shape != e.hf_shape:
+        if shape != want:
             raise ValueError(
-                f"checkpoint tensor {full!r} has shape {list(shape)}, expected {list(e.hf_shape)} "
+                f"checkpoint tensor {full!r} has shape {list(shape)}, expected {list(want)} "
                 f"for {_path_str(e.path)} (our shape {list(e.shape)})"
             )
         arrays.append(ckpt.get(full))
-        used.append(full)
-    return (np.stack(arrays) if isinstance(e.hf_name, tuple) else arrays[0]), used
+    return layout.to_ours(layout.join(arrays)), found
 
 
 def _check_config(path: Path, cfg: ModelConfig) -> None:
@@ -291,20 +315,25 @@ def load_hf_checkpoint(
     plan = _plan(cfg)
     for e in plan:
         x, read = _read(ckpt, names, prefix, e, path)
-        _set(params, e.path, jnp.asarray(e.to_ours(x), dtype=jnp.float32 if e.fp32 else dtype))
+        _set(params, e.path, jnp.asarray(x, dtype=jnp.float32 if e.fp32 else dtype))
         used.update(read)
 
     extra = names - used
     if cfg.tie_word_embeddings and "lm_head.weight" in extra:
         # Some exports write the tied head anyway; accept it only if it really is the embedding.
         head = ckpt.get("lm_head.weight")
-        emb, _ = _read(ckpt, names, prefix, plan[0], path)
+        emb, _ = _read(ckpt, names, prefix, plan[0], path)  # [V, E] in both layouts
         if head.shape != emb.shape or not np.array_equal(head, emb):
             raise ValueError(
                 f"checkpoint {path} has an lm_head.weight different from the embeddings, but "
                 "tie_word_embeddings=True"
             )
         extra.discard("lm_head.weight")
+    for what, pattern in SKIPPED_MODULES:
+        skipped = {n for n in extra if pattern.search(n)}
+        if skipped:
+            logger.info("%s: skipping %d %s tensors", path, len(skipped), what)
+            extra -= skipped
     extra = sorted(n for n in extra if not any(p.search(n) for p in IGNORABLE_TENSORS))
     if extra:
         raise ValueError(
@@ -344,7 +373,7 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike
 
     Tensor names use the family's first base prefix (what transformers 5.24 itself writes).
     Dtypes are kept as they are in `params`. Families whose map folds multipliers into the
-    weights, or splits or stacks HF tensors, cannot be written.
+    weights, or splits an HF tensor into several arrays, cannot be written.
     """
     path = Path(path)
     hf_config = cfg.to_hf_config()
@@ -361,11 +390,12 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike
             raise ValueError(
                 f"save_hf_checkpoint: {key} has shape {list(x.shape)}, expected {list(e.shape)}"
             )
-        if e.to_hf is None or not isinstance(e.hf_name, str):
+        if e.to_hf is None:
             raise ValueError(
                 f"save_hf_checkpoint: writing {key} of {cfg.model_type} is not implemented"
             )
-        tensors[(prefix + e.hf_name) if is_base(e) else e.hf_name] = e.to_hf(x)
+        for (name, _), part in zip(e.hf_parts(), e.split(e.to_hf(x)), strict=True):
+            tensors[(prefix + name) if is_base(e) else name] = part
     if flat:
         raise ValueError(
             f"save_hf_checkpoint: params have entries not in the model: {sorted(flat)}"

@@ -71,7 +71,7 @@ _L2_EPS = 1e-6
 @dataclasses.dataclass(frozen=True)
 class PrefillGpuBlockSizes:
     """Tiles and launch options of the three prefill passes (blocks are powers of two, capped
-    by the padded head dim)."""
+    by the padded head dim). The defaults are unswept first choices: no H200 timing yet."""
 
     wy_warps: int = 4
     state_block_v: int = 64  # Dv columns of the running state a state-pass program carries
@@ -93,7 +93,8 @@ class PrefillGpuBlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeGpuBlockSizes:
-    """The decode kernel's tile: ``[Dk, block_v]`` of one (row, value head)."""
+    """The decode kernel's tile: ``[Dk, block_v]`` of one (row, value head). The defaults
+    are unswept first choices: no H200 timing yet."""
 
     block_v: int = 64
     num_warps: int = 4
@@ -119,9 +120,11 @@ def _cols(start, size: int, limit: int):
     return pl.ds(start, size), ok
 
 
-def _axis_masks(shape_oks):
-    """Broadcastable masks for a 2-D tile from its (row mask, column mask), either None."""
-    rows, cols = shape_oks
+def _axis_masks(oks):
+    """The mask of a 1-D or 2-D tile from its per-axis masks (None: all in bounds)."""
+    if len(oks) == 1:
+        return oks[0]
+    rows, cols = oks
     if rows is None and cols is None:
         return None
     if rows is None:
@@ -131,8 +134,9 @@ def _axis_masks(shape_oks):
     return rows[:, None] & cols[None, :]
 
 
-def _load(ref, oks, other=0.0):
-    return plgpu.load(ref, mask=_axis_masks(oks), other=other)
+def _load(ref, oks):
+    mask = _axis_masks(oks)
+    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
 
 
 def _store(ref, value, oks):
@@ -166,6 +170,21 @@ def _segment_decay(gamma: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.exp(jnp.where(keep, gamma[:, None] - gamma[None, :], -jnp.inf))
 
 
+def _invert_unit_lower(at: jax.Array) -> jax.Array:  # f32[C, C] -> f32[C, C]
+    """``(I + A)⁻¹`` for strictly lower ``A`` given as ``at = Aᵀ``, by forward substitution:
+    row i of T is ``e_i - Σ_{j<i} A[i, j] T[j, :]``, rows >= i of the carry still I."""
+    c = at.shape[0]
+    pos = jnp.arange(c)
+    i_idx, j_idx = pos[:, None], pos[None, :]
+
+    def substitute(i, t):
+        a_i = jnp.sum(jnp.where(j_idx == i, at, 0.0), axis=1)  # [C] A[i, j] over j
+        row = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * t, axis=0)
+        return jnp.where(i_idx == i, row[None, :], t)
+
+    return lax.fori_loop(1, c, substitute, (i_idx == j_idx).astype(_F32))
+
+
 def _wy_kernel(
     lo_ref,  # i32[NC] first token of each chunk
     count_ref,  # i32[NC] tokens in each chunk
@@ -193,8 +212,8 @@ def _wy_kernel(
         k = _load_qk(k_ref, rows, t_ok, lax.div(h, dims.heads_per_key), dims, dot_dtype)
         v_cols, v_ok = _cols(0, bvp, dims.dv)
         v = _load(v_ref.at[rows, h, v_cols], (t_ok, v_ok)).astype(_F32)
-        g = plgpu.load(g_ref.at[rows, h], mask=t_ok, other=0.0).astype(_F32)
-        beta = plgpu.load(beta_ref.at[rows, h], mask=t_ok, other=0.0).astype(_F32)
+        g = _load(g_ref.at[rows, h], (t_ok,)).astype(_F32)
+        beta = _load(beta_ref.at[rows, h], (t_ok,)).astype(_F32)
         g, beta = jnp.where(t_ok, g, 0.0), jnp.where(t_ok, beta, 0.0)
         gamma = lax.cumsum(g, axis=0)
 
@@ -205,14 +224,7 @@ def _wy_kernel(
         upper = j_idx > i_idx
         at = jnp.where(upper, beta[None, :] * kk * _segment_decay(-gamma, upper), 0.0)
 
-        def substitute(i, t):
-            """Row i of T = (I + A)⁻¹: e_i - Σ_{j<i} A[i, j] T[j, :] (rows >= i still I)."""
-            a_i = jnp.sum(jnp.where(j_idx == i, at, 0.0), axis=1)  # [C] A[i, j] over j
-            row = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * t, axis=0)
-            return jnp.where(i_idx == i, row[None, :], t)
-
-        t = lax.fori_loop(1, c, substitute, (i_idx == j_idx).astype(_F32))
-        t = t.astype(dot_dtype)
+        t = _invert_unit_lower(at).astype(dot_dtype)
         k_cols, k_ok = _cols(0, dims.bk, dims.dk)
         bk_scaled = (k * (beta * jnp.exp(gamma))[:, None]).astype(dot_dtype)
         _store(w_ref.at[chunk, h, pl.ds(0, c), k_cols], dot(t, bk_scaled).astype(dot_dtype),
@@ -475,9 +487,9 @@ def _decode_kernel(
     v_cols, v_ok = _cols(vb * block_v, block_v, dims.dv)
     # The state first: the slot is then the only latency in front of it.
     state = _load(state_ref.at[slot, h, k_cols, v_cols], (k_ok, v_ok))
-    q = plgpu.load(q_ref.at[row, kh, k_cols], mask=k_ok, other=0.0).astype(_F32)
-    k = plgpu.load(k_ref.at[row, kh, k_cols], mask=k_ok, other=0.0).astype(_F32)
-    v = plgpu.load(v_ref.at[row, h, v_cols], mask=v_ok, other=0.0).astype(_F32)
+    q = _load(q_ref.at[row, kh, k_cols], (k_ok,)).astype(_F32)
+    k = _load(k_ref.at[row, kh, k_cols], (k_ok,)).astype(_F32)
+    v = _load(v_ref.at[row, h, v_cols], (v_ok,)).astype(_F32)
     a, b = a_ref[row, h].astype(_F32), b_ref[row, h].astype(_F32)
     decay = jnp.exp(-jnp.exp(a_log_ref[h]) * softplus(a + dt_bias_ref[h]))
     beta = jax.nn.sigmoid(b)

@@ -1,6 +1,6 @@
 """Gated DeltaNet as Pallas Mosaic TPU kernels (also the CPU interpret-mode kernels).
 
-Prefill: grid ``(HV, NC)`` over the SSD's chunk grid (``ssd.layout``). Value heads are
+Prefill: grid ``(HV / hb, NC)`` over the SSD's chunk grid (``ssd.layout``). Value heads are
 independent ("parallel"); chunks run in packed order ("arbitrary"), so a head's running state
 ``f32[Dk, Dv]`` stays in a VMEM scratch across its chunks and goes to HBM only as final and
 tracked states. The chunk → sequence map and first-chunk flags come in by scalar prefetch and
@@ -14,13 +14,15 @@ form, positions on sublanes, so every matmul is ``A @ B`` or ``A @ Bᵀ`` but th
     U  = T diag(β) V,  W = T (diag(β) K ⊙ e^γ),  V′ = U − W S
     O  = (Q ⊙ e^γ) S + Tril(Q Kᵀ ⊙ Γ) V′,  S ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ V′
 
-``T`` is a blocked inverse: forward substitution inside diagonal blocks of ``inverse_block``
-rows (one row of every block per step, each step one MXU matmul), then the block-nilpotent
-rest by the product form ``(I + N)⁻¹ = (I − N)(I + N²)…`` (exact after log2(C / block) steps,
-all MXU matmuls). The product form over the whole chunk would need no substitution at all,
-but its powers of A grow like binomial coefficients (C(63, 31) ≈ 1e18 for equal keys at
-C = 64) and cancel in float32; over 4 blocks they stay small. Mosaic has no triangular solve
-and no dynamic sublane slicing of packed dtypes, so this is matmuls, iotas and selects only.
+``T`` is built by recursive doubling (``unit_lower_inverse``): the inverses of diagonal blocks
+of b rows merge pairwise into those of 2b rows, ``[[T1, 0], [−T2 A21 T1, T2]]``, log2(C) levels
+of two MXU matmuls each, in float32. Mosaic has no triangular solve, and a forward substitution
+over rows is C serial steps of a dynamic row each; the product form
+``(I − A)(I + A²)(I + A⁴)…`` is as few matmuls, but its powers of A grow like binomial
+coefficients (C(63, 31) ≈ 1e18 for equal keys at C = 64) and cancel in float32, while every
+block the doubling multiplies is a true inverse of a sub-block, as large as T itself. A grid
+step takes the value heads of one key head (``TpuBlockSizes.value_heads``): they share q, k and
+their Gram matrices, and their independent chains of small matmuls interleave.
 
 Decode: grid ``(B, HV / hb)``, the slot ids scalar-prefetched into the index map of the state
 block ``[hb, Dk, Dv]``, which is aliased input → output: the pool is read once and written once,
@@ -59,25 +61,27 @@ _EPS = 1e-6  # q/k L2 norm, as HF's l2norm
 
 @dataclasses.dataclass(frozen=True)
 class TpuBlockSizes:
-    """Prefill: ``inverse_block`` rows of the chunk inverted by forward substitution (a power
-    of two; the serial steps of the inverse). Decode: ``max_block_bytes`` of float32 state per
+    """Prefill: ``value_heads`` per grid step (None: the HV / Hk heads of one key head), which
+    share their key head's q, k blocks and ``Q Kᵀ``, ``K Kᵀ``, and whose independent chains of
+    small matmuls (the inverse) interleave. Decode: ``max_block_bytes`` of float32 state per
     grid step (x4 in VMEM: in and out, double-buffered)."""
 
-    inverse_block: int = 16
+    value_heads: int | None = None
     max_block_bytes: int = 1 << 19
 
     @classmethod
     def get_default(cls) -> TpuBlockSizes:
         return cls()
 
-    def inverse(self, chunk_size: int) -> int:
-        block = min(self.inverse_block, chunk_size)
-        if block & (block - 1) or chunk_size % block:
+    def prefill_heads(self, num_v_heads: int, num_k_heads: int) -> int:
+        rep = num_v_heads // num_k_heads
+        hb = self.value_heads or rep
+        if num_v_heads % hb or (hb % rep and rep % hb):
             raise ValueError(
-                f"gdn_prefill_tpu: inverse_block must be a power of two dividing the chunk "
-                f"size {chunk_size}; got {self.inverse_block}"
+                f"gdn_prefill_tpu: value_heads must divide HV={num_v_heads} and divide or be "
+                f"a multiple of HV/Hk={rep}; got {hb}"
             )
-        return block
+        return hb
 
     def heads(self, num_v_heads: int, k_dim: int, v_dim: int) -> int:
         """The most value heads (a divisor of HV) whose state block fits ``max_block_bytes``."""
@@ -91,42 +95,33 @@ def _l2norm(x: jax.Array) -> jax.Array:  # f32[rows, D], each row
     return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + _EPS)
 
 
-def unit_lower_inverse(a: jax.Array, block: int) -> jax.Array:
-    """``(I + a)⁻¹`` for a strictly lower-triangular ``f32[C, C]`` ``a`` (see the module
-    docstring): forward substitution in diagonal blocks of ``block`` rows, then the product
-    form over the blocks."""
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """``(I + a)⁻¹`` for a strictly lower-triangular ``f32[C, C]`` ``a``, by
+    recursive doubling: ``t`` holds the inverses of the diagonal blocks of ``b`` rows; two of
+    them merge into the inverse of their ``2b`` block as ``[[T1, 0], [−T2 A21 T1, T2]]``, which
+    is ``t − t E t`` with ``E`` the ``A21`` blocks. log2(C) levels of two MXU matmuls."""
     size = a.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (size, size), 0)
     cols = lax.broadcasted_iota(jnp.int32, (size, size), 1)
-    eye = (rows == cols).astype(_F32)
-    same_block = jnp.bitwise_xor(rows, cols) < block  # block is a power of two
-    a_diag = jnp.where(same_block, a, 0.0)
-    offset = jnp.bitwise_and(rows, block - 1)
-    # Row r of every diagonal block depends on rows < r of its block, final by then.
-    inv = eye
-    for r in range(1, block):
-        inv = jnp.where(offset == r, eye - dot(a_diag, inv), inv)
-    if block == size:
-        return inv
-    # I + a = D (I + N), D = I + a_diag, N = D⁻¹ (a − a_diag) strictly block-lower: N^(C/b) = 0.
-    n = dot(inv, a - a_diag)
-    prod = eye - n
-    power, terms = n, 2
-    while terms < size // block:
-        power = dot(power, power)
-        prod = prod + dot(prod, power)
-        terms *= 2
-    return dot(prod, inv)
+    t = (rows == cols).astype(_F32)
+    split = jnp.bitwise_xor(rows, cols)  # < 2b and >= b: same 2b block, different b blocks
+    b = 1
+    while b < size:
+        e = jnp.where((split >= b) & (split < 2 * b) & (rows > cols), a, 0.0)
+        t = t - dot(dot(t, e), t)
+        b *= 2
+    return t
 
 
 def chunk_update(
     q: jax.Array,  # [C, Dk] dot dtype, normalised and scaled; zero at empty positions
     k: jax.Array,  # [C, Dk] dot dtype, normalised; zero at empty positions
+    qk: jax.Array,  # f32[C, C] Q Kᵀ
+    kk: jax.Array,  # f32[C, C] K Kᵀ
     v: jax.Array,  # [C, Dv] dot dtype
     gamma_row: jax.Array,  # f32[1, C] in-chunk cumsum of g (g = 0 at empty positions)
     beta_row: jax.Array,  # f32[1, C] (0 at empty positions)
     state: jax.Array,  # f32[Dk, Dv] state entering the chunk
-    inverse_block: int,
 ) -> tuple[jax.Array, jax.Array]:
     """One chunk of one value head: ``(O f32[C, Dv], state after the chunk f32[Dk, Dv])``."""
     size = gamma_row.shape[1]
@@ -139,19 +134,17 @@ def chunk_update(
     decay = jnp.exp(jnp.where(rows >= cols, gamma_col - gamma_row, -jnp.inf))  # [C, C]
 
     kf = k.astype(_F32)
-    a = jnp.where(rows > cols, beta_col * dot(k, k, (1, 1)) * decay, 0.0)
-    t = unit_lower_inverse(a, inverse_block).astype(dd)
+    t = unit_lower_inverse(jnp.where(rows > cols, beta_col * kk * decay, 0.0)).astype(dd)
     u = dot(t, (beta_col * v.astype(_F32)).astype(dd))  # [C, Dv]
     w = dot(t, (beta_col * jnp.exp(gamma_col) * kf).astype(dd))  # [C, Dk]
     state_d = state.astype(dd)
-    v_new = u - dot(w.astype(dd), state_d)  # [C, Dv] f32
-    v_new_d = v_new.astype(dd)
+    v_new = (u - dot(w.astype(dd), state_d)).astype(dd)  # [C, Dv]
 
-    attn = jnp.where(rows >= cols, dot(q, k, (1, 1)) * decay, 0.0).astype(dd)
+    attn = (qk * decay).astype(dd)  # Γ is 0 above the diagonal
     q_in = (q.astype(_F32) * jnp.exp(gamma_col)).astype(dd)
-    o = dot(q_in, state_d) + dot(attn, v_new_d)  # [C, Dv]
+    o = dot(q_in, state_d) + dot(attn, v_new)  # [C, Dv]
     k_out = (kf * jnp.exp(last - gamma_col)).astype(dd)  # [C, Dk]
-    new_state = jnp.exp(last) * state + dot(k_out, v_new_d, (0, 0))  # [Dk, Dv]
+    new_state = jnp.exp(last) * state + dot(k_out, v_new, (0, 0))  # [Dk, Dv]
     return o, new_state
 
 
@@ -162,46 +155,51 @@ def _prefill_kernel(
     track_ref,  # i32[NC] 1: write the chunk's end state
     slot_ref,  # i32[NC] tracked-state row of the chunk
     # inputs
-    q_ref,  # [C, Dk]
-    k_ref,  # [C, Dk]
-    v_ref,  # [C, Dv]
-    gb_ref,  # f32[2, C] rows γ, β
-    init_ref,  # [Dk, Dv]
+    q_ref,  # [kb, C, Dk]
+    k_ref,  # [kb, C, Dk]
+    v_ref,  # [hb, C, Dv]
+    gb_ref,  # f32[hb, 2, C] rows γ, β
+    init_ref,  # [hb, Dk, Dv]
     # outputs
-    o_ref,  # [C, Dv]
-    final_ref,  # [Dk, Dv]
-    states_ref,  # [Dk, Dv]
-    state_scr,  # f32[Dk, Dv]
+    o_ref,  # [hb, C, Dv]
+    final_ref,  # [hb, Dk, Dv]
+    states_ref,  # [hb, Dk, Dv]
+    state_scr,  # f32[hb, Dk, Dv]
     *,
+    rep: int,
     scale: float,
     use_qk_l2norm: bool,
-    inverse_block: int,
 ):
     del seq_ref, slot_ref  # index maps only
     c = pl.program_id(1)
+    hb = v_ref.shape[0]
 
     @pl.when(first_ref[c] != 0)
     def _():
         state_scr[...] = init_ref[...].astype(_F32)
 
     dd = v_ref.dtype
-    q, k = q_ref[...].astype(_F32), k_ref[...].astype(_F32)
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    gb = gb_ref[...]
-    o, state = chunk_update(
-        (q * scale).astype(dd), k.astype(dd), v_ref[...], gb[0:1], gb[1:2], state_scr[...],
-        inverse_block,
-    )  # fmt: skip
-    state_scr[...] = state
-    # Written every chunk; the block goes to HBM when the sequence changes (and at the end).
-    final_ref[...] = state.astype(final_ref.dtype)
+    keys = []
+    for j in range(q_ref.shape[0]):
+        q, k = q_ref[j].astype(_F32), k_ref[j].astype(_F32)
+        if use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        q, k = (q * scale).astype(dd), k.astype(dd)
+        keys.append((q, k, dot(q, k, (1, 1)), dot(k, k, (1, 1))))
+    # The heads' chains are independent: unrolled, their small matmuls interleave.
+    for j in range(hb):
+        gb = gb_ref[j]
+        o, state = chunk_update(
+            *keys[j // rep if hb >= rep else 0], v_ref[j], gb[0:1], gb[1:2], state_scr[j]
+        )
+        state_scr[j] = state
+        # Written every chunk; the block goes to HBM when the sequence changes (and at the end).
+        final_ref[j] = state.astype(final_ref.dtype)
+        o_ref[j] = o.astype(o_ref.dtype)
 
     @pl.when(track_ref[c] != 0)
     def _():
-        states_ref[...] = state.astype(states_ref.dtype)
-
-    o_ref[...] = o.astype(o_ref.dtype)
+        states_ref[...] = state_scr[...].astype(states_ref.dtype)
 
 
 @functools.partial(
@@ -228,13 +226,15 @@ def gdn_prefill_tpu(
     block_sizes: TpuBlockSizes | None = None,
 ):
     """Same contract as :func:`jaxmamba.kernels.gdn.gdn_prefill`; the matmuls take v's dtype
-    (float32 accumulation). ``interpret=True`` runs it under ``pltpu.InterpretParams()``."""
+    (float32 accumulation; the inverse in float32). ``interpret=True`` runs it under
+    ``pltpu.InterpretParams()``."""
     num_tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1:]
     rep = num_v_heads // num_k_heads
+    hb = (block_sizes or TpuBlockSizes.get_default()).prefill_heads(num_v_heads, num_k_heads)
+    kb = max(1, hb // rep)  # key heads a step reads
     num_seqs = cu_seqlens.shape[0] - 1
     state_dtype = _F32 if initial_states is None else initial_states.dtype
-    inverse_block = (block_sizes or TpuBlockSizes.get_default()).inverse(chunk_size)
     if layout is None:
         layout = build_chunk_layout(cu_seqlens, num_tokens, chunk_size, start_positions)
     nc = layout.token_index.shape[0]
@@ -260,7 +260,7 @@ def gdn_prefill_tpu(
     )
 
     def key_block(h, c, *_):
-        return (lax.div(h, rep), c, 0, 0)  # h >= 0: no floor fix-up
+        return (lax.div(h * hb, rep * kb), c, 0, 0)  # h >= 0: no floor fix-up
 
     def chunk_block(h, c, *_):
         return (h, c, 0, 0)
@@ -271,30 +271,29 @@ def gdn_prefill_tpu(
     def slot_block(h, c, seq, first, track, slot):
         return (slot[c], h, 0, 0)
 
-    qk_spec = pl.BlockSpec((None, None, chunk_size, k_dim), key_block)
-    v_spec = pl.BlockSpec((None, None, chunk_size, v_dim), chunk_block)
-    state_spec = pl.BlockSpec((None, None, k_dim, v_dim), seq_block)
+    qk_spec = pl.BlockSpec((kb, None, chunk_size, k_dim), key_block)
+    v_spec = pl.BlockSpec((hb, None, chunk_size, v_dim), chunk_block)
+    state_spec = pl.BlockSpec((None, hb, k_dim, v_dim), seq_block)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(num_v_heads, nc),
+        grid=(num_v_heads // hb, nc),
         in_specs=[
             qk_spec,
             qk_spec,
             v_spec,
-            pl.BlockSpec((None, None, 2, chunk_size), chunk_block),
+            pl.BlockSpec((hb, None, 2, chunk_size), chunk_block),
             state_spec,
         ],
         out_specs=(
             v_spec,
             state_spec,
-            pl.BlockSpec((None, None, k_dim, v_dim), slot_block),
+            pl.BlockSpec((None, hb, k_dim, v_dim), slot_block),
         ),
-        scratch_shapes=[pltpu.VMEM((k_dim, v_dim), _F32)],
+        scratch_shapes=[pltpu.VMEM((hb, k_dim, v_dim), _F32)],
     )
     kernel = functools.partial(
-        _prefill_kernel, scale=float(scale), use_qk_l2norm=use_qk_l2norm,
-        inverse_block=inverse_block,
-    )  # fmt: skip
+        _prefill_kernel, rep=rep, scale=float(scale), use_qk_l2norm=use_qk_l2norm
+    )
     oc, final_states, states = pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -360,12 +359,16 @@ def _decode_kernel(
     vs = v_ref[...].astype(_F32)  # [HV, Dv]
     o_all = o_acc[...]
     row_ids = lax.broadcasted_iota(jnp.int32, o_all.shape, 0)
-    # q and k run along Dk, the state's sublane axis but their lane axis: each head moves
-    # them to columns on the VPU (to_column) and reduces the state over sublanes.
+    # q and k run along Dk, the state's sublane axis but their lane axis: they move to
+    # columns on the VPU (to_column), once per key head when a block holds whole groups.
+    columns = {}
     for j in range(hb):
         head = blk * hb + j
-        key = lax.div(head, rep)
-        q_col, k_col = to_column(_pick_row(q, key)), to_column(_pick_row(k, key))  # [Dk, 1]
+        group = j // rep if hb % rep == 0 else j
+        if group not in columns:
+            key = lax.div(head, rep)
+            columns[group] = (to_column(_pick_row(q, key)), to_column(_pick_row(k, key)))
+        q_col, k_col = columns[group]  # [Dk, 1]
         decayed = jnp.exp(_pick_lane(g, head)) * state_ref[j].astype(_F32)  # [Dk, Dv]
         predicted = jnp.sum(k_col * decayed, axis=0, keepdims=True)  # [1, Dv]
         delta = _pick_lane(beta, head) * (_pick_row(vs, head) - predicted)

@@ -36,14 +36,32 @@ class Family:
 
 
 def _registry() -> dict[str, Family]:
-    from jaxmamba.model.families import bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h
+    from jaxmamba.model.families import (
+        bamba,
+        falcon_h1,
+        granitemoehybrid,
+        mamba2,
+        nemotron_h,
+        qwen3_5,
+        qwen3_next,
+    )
 
     families = (nemotron_h.FAMILY, mamba2.FAMILY, bamba.FAMILY, granitemoehybrid.FAMILY,
-                falcon_h1.FAMILY)  # fmt: skip
+                falcon_h1.FAMILY, qwen3_next.FAMILY, qwen3_5.TEXT, qwen3_5.MOE_TEXT,
+                qwen3_5.MULTIMODAL, qwen3_5.MOE_MULTIMODAL)  # fmt: skip
     return {f.model_type: f for f in families}
 
 
 _FAMILIES: dict[str, Family] | None = None
+
+# Model types close to a registered family whose difference we do not implement, and why.
+UNSUPPORTED = {
+    "kimi_linear": (
+        "its linear_attention layers (linear_attn_config.kda_layers) are Kimi Delta Attention, "
+        "whose decay is per key channel (f_a_proj/f_b_proj), where Gated DeltaNet's is one "
+        "scalar per head (A_log, dt_bias); its full_attention layers are MLA (kv_lora_rank)"
+    ),
+}
 
 
 def families() -> dict[str, Family]:
@@ -56,6 +74,8 @@ def families() -> dict[str, Family]:
 
 def get_family(model_type: str) -> Family:
     registry = families()
+    if model_type in UNSUPPORTED:
+        raise ValueError(f"unsupported model_type {model_type!r}: {UNSUPPORTED[model_type]}")
     if model_type not in registry:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {tuple(sorted(registry))}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -168,9 +168,13 @@ def rope(config: dict, head_dim: int, *, partial_rotary_factor: float = 1.0) -> 
 class Entry:
     """One array of our param tree and the HF tensor(s) it comes from.
 
-    `hf_name` is one name, or a tuple of names whose tensors (each of `hf_shape`) are stacked
-    along a new leading axis first (per-expert weights). Names are without the base prefix
-    (`lm_head.weight` is outside the base). `alt_names` are other spellings of a single name.
+    `hf_name` is one name, or a tuple of names whose tensors are joined first: stacked along a
+    new leading axis, each of `hf_shape` (per-expert weights), or, when `rows` gives their
+    sizes along axis 0, concatenated along that axis into `hf_shape` (projections HF keeps
+    apart that we fuse). Names are without the base prefix (`lm_head.weight` is outside the
+    base). `alt_names` are other spellings of a single name; `alternatives` are other HF
+    layouts of the whole array (entries with the same path), read when a tensor of this one
+    is missing. `to_hf` returns the joined array.
     """
 
     path: tuple[str, ...]  # our path in the param tree
@@ -180,17 +184,54 @@ class Entry:
     to_hf: Callable[[np.ndarray], np.ndarray] | None
     fp32: bool  # kept in float32 regardless of the requested dtype
     alt_names: tuple[str, ...] = field(default=())
+    rows: tuple[int, ...] = field(default=())
+    alternatives: tuple[Entry, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.rows and (
+            not isinstance(self.hf_name, tuple)
+            or len(self.rows) != len(self.hf_name)
+            or sum(self.rows) != self.hf_shape[0]
+        ):
+            raise ValueError(
+                f"Entry {'/'.join(self.path)}: rows {self.rows} must give one size per name of "
+                f"{self.hf_name!r}, summing to hf_shape[0] of {self.hf_shape}"
+            )
 
     @property
-    def stacked_shape(self) -> tuple[int, ...]:
-        if isinstance(self.hf_name, tuple):
+    def joined_shape(self) -> tuple[int, ...]:
+        if isinstance(self.hf_name, tuple) and not self.rows:
             return (len(self.hf_name), *self.hf_shape)
         return self.hf_shape
 
     @property
     def shape(self) -> tuple[int, ...]:
-        # A zero-stride view: the transforms run on it without allocating anything.
-        return tuple(self.to_ours(np.broadcast_to(np.int8(0), self.stacked_shape)).shape)
+        # A zero-stride view: the transforms (a row permutation aside) run on it without
+        # allocating anything.
+        return tuple(self.to_ours(np.broadcast_to(np.int8(0), self.joined_shape)).shape)
+
+    def hf_parts(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Each HF tensor (name, shape) that the array is joined from."""
+        if not isinstance(self.hf_name, tuple):
+            return [(self.hf_name, self.hf_shape)]
+        if self.rows:
+            rest = self.hf_shape[1:]
+            return [(n, (r, *rest)) for n, r in zip(self.hf_name, self.rows, strict=True)]
+        return [(n, self.hf_shape) for n in self.hf_name]
+
+    def join(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """The HF tensors (in `hf_parts` order) as one array of `joined_shape`."""
+        if not isinstance(self.hf_name, tuple):
+            return arrays[0]
+        return np.concatenate(arrays) if self.rows else np.stack(arrays)
+
+    def split(self, x: np.ndarray) -> list[np.ndarray]:
+        """`join`'s inverse."""
+        if not isinstance(self.hf_name, tuple):
+            return [x]
+        if self.rows:
+            return np.split(x, np.cumsum(self.rows)[:-1])
+        return list(x)
 
 
 def identity(x: np.ndarray) -> np.ndarray:
@@ -353,3 +394,123 @@ def two_block_layers(
 def paired_layer_types(mixers: list[str], ffn: str) -> tuple[str, ...]:
     """Our layer types for HF decoder layers of (mixer, feed-forward) each."""
     return tuple(t for m in mixers for t in (m, ffn))
+
+
+# ----------------------------------------------------------------------------------------
+# Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5)
+
+
+def _plus_one(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32) + 1
+
+
+def _minus_one(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32) - 1
+
+
+def zero_centered_norm(path, hf, dim) -> Entry:
+    """An HF RMSNorm computing x̂·(1 + w) (Qwen3-Next, Qwen3.5): we store 1 + w."""
+    return Entry((*path, "scale"), f"{hf}.weight", (dim,), _plus_one, _minus_one, True)
+
+
+def permuted_rows(order: np.ndarray) -> tuple[Callable, Callable]:
+    """(to_ours, to_hf) of an HF Linear weight [out, in] whose outputs we reorder: our column
+    j is HF's output `order[j]`."""
+    inverse = np.argsort(order)
+    return (lambda x: x[order].T), (lambda x: x.T[inverse])
+
+
+def gated_attention(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> list[Entry]:
+    """Attention with a per-head output gate and q/k RMSNorms under HF module `hm`: `q_proj`
+    yields [q_h | gate_h] per head h (kept in HF's column order); `q_norm`/`k_norm` compute
+    x̂·(1 + w) over a head."""
+    E, Dh = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * Dh, cfg.num_key_value_heads * Dh
+    b = cfg.attention_bias
+    out = linear((*m, "q_proj"), f"{hm}.q_proj", E, 2 * q, b)
+    out += linear((*m, "k_proj"), f"{hm}.k_proj", E, kv, b)
+    out += linear((*m, "v_proj"), f"{hm}.v_proj", E, kv, b)
+    out += linear((*m, "o_proj"), f"{hm}.o_proj", q, E, b)
+    out.append(zero_centered_norm((*m, "q_norm"), f"{hm}.q_norm", Dh))
+    out.append(zero_centered_norm((*m, "k_norm"), f"{hm}.k_norm", Dh))
+    return out
+
+
+def gdn_mixer(m: tuple[str, ...], hm: str, cfg: ModelConfig, in_proj: Entry) -> list[Entry]:
+    """The Gated DeltaNet mixer's tensors under HF module `hm`, its `in_proj` (columns
+    [q | k | v | z | b | a]) given by the family: the depthwise conv over [q | k | v] (no
+    bias), `dt_bias`, `A_log`, the gated output norm (x̂·w, stored as is) and `out_proj`."""
+    E, HV, C = cfg.hidden_size, cfg.gdn_num_value_heads, cfg.gdn_conv_dim
+    conv = (C, 1, cfg.conv_kernel)
+    return [
+        in_proj,
+        Entry((*m, "conv1d", "kernel"), f"{hm}.conv1d.weight", conv, _conv_to_ours, _conv_to_hf,
+              False),
+        vector((*m, "dt_bias"), f"{hm}.dt_bias", HV, fp32=True),
+        vector((*m, "A_log"), f"{hm}.A_log", HV, fp32=True),
+        norm((*m, "norm"), f"{hm}.norm", cfg.gdn_value_head_dim),
+        *linear((*m, "out_proj"), f"{hm}.out_proj", cfg.gdn_value_dim, E, False),
+    ]  # fmt: skip
+
+
+def _gate_up_to_ours(x: np.ndarray) -> np.ndarray:
+    # [2X, F, E] (every expert's gate, then every expert's up) -> [X, E, 2F] (gate | up)
+    two_x, F, E = x.shape
+    X = two_x // 2
+    return x.reshape(2, X, F, E).transpose(1, 0, 2, 3).reshape(X, 2 * F, E).swapaxes(1, 2)
+
+
+def _gate_up_to_hf(x: np.ndarray) -> np.ndarray:
+    X, E, two_f = x.shape
+    F = two_f // 2
+    return x.swapaxes(1, 2).reshape(X, 2, F, E).transpose(1, 0, 2, 3).reshape(2 * X, F, E)
+
+
+def softmax_moe(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> list[Entry]:
+    """A Qwen sparse MoE block under HF module `hm`: the router `gate`, the SwiGLU experts and
+    a SwiGLU `shared_expert` scaled by sigmoid(`shared_expert_gate`). Checkpoints (and
+    transformers 5.24's `save_pretrained`) keep one tensor per expert
+    (`experts.{i}.{gate,up,down}_proj.weight`); transformers holds them fused
+    (`experts.gate_up_proj` [X, 2F, E], `experts.down_proj` [X, E, F]): either is read."""
+    E, X, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    experts = [f"{hm}.experts.{i}" for i in range(X)]
+    gate_up = tuple(f"{e}.{p}_proj.weight" for p in ("gate", "up") for e in experts)
+    down = tuple(f"{e}.down_proj.weight" for e in experts)
+    fused_up = Entry((*m, "experts_up"), f"{hm}.experts.gate_up_proj", (X, 2 * F, E), swap_last,
+                     swap_last, False)  # fmt: skip
+    fused_down = Entry((*m, "experts_down"), f"{hm}.experts.down_proj", (X, E, F), swap_last,
+                       swap_last, False)  # fmt: skip
+    return [
+        Entry((*m, "router", "kernel"), f"{hm}.gate.weight", (X, E), transpose, transpose, False),
+        Entry((*m, "experts_up"), gate_up, (F, E), _gate_up_to_ours, _gate_up_to_hf, False,
+              alternatives=(fused_up,)),
+        Entry((*m, "experts_down"), down, (E, F), swap_last, swap_last, False,
+              alternatives=(fused_down,)),
+        *glu_mlp((*m, "shared_expert"), f"{hm}.shared_expert", E,
+                 cfg.moe_shared_intermediate_size, False),
+        *linear((*m, "shared_expert_gate"), f"{hm}.shared_expert_gate", E, 1, False),
+    ]  # fmt: skip
+
+
+def rotary_factor(rope_dim: int, head_dim: int) -> float:
+    """The `partial_rotary_factor` that HF turns back into `rope_dim` (`int(head_dim·f)`)."""
+    factor = rope_dim / head_dim
+    while int(head_dim * factor) < rope_dim:
+        factor = math.nextafter(factor, math.inf)
+    return factor
+
+
+def checked_hf_config(
+    cfg: ModelConfig, hf: dict[str, Any], inert: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """`hf`, the config.json written for `cfg`, after checking that it reads back as `cfg`:
+    raises naming the first field the HF config cannot express. `inert` fields (that HF has
+    no key for, and the model does not read for this family) are not compared."""
+    back = ModelConfig.from_hf_config(hf)
+    for f in fields(cfg):
+        if f.name not in ("name", *inert) and getattr(back, f.name) != getattr(cfg, f.name):
+            raise ValueError(
+                f"ModelConfig.{f.name}={getattr(cfg, f.name)!r} cannot be written as a "
+                f"{hf['model_type']} config.json (it reads back as {getattr(back, f.name)!r})"
+            )
+    return hf
