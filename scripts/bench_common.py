@@ -366,7 +366,8 @@ def sglang_steps_time(
     runs step ``i`` and returns its output; step 0's is checked against ``want_y0`` first.
     Then ``step(0..steps-1)`` are captured in one CUDA graph, replayed from a cold L2
     (``torch_time``), as ours runs after the lead-in: a replay whose data fits in L2 (the conv
-    update at batch 1 touches ~32 MB) would otherwise be served from the last replay's lines. The warm figure is printed beside it."""
+    update at batch 1 touches ~32 MB) would otherwise be served from the last replay's lines.
+    The warm figure is printed beside it."""
     import torch
 
     y0 = step(0)
