@@ -401,8 +401,12 @@ class ModelConfig:
 
         cfg = get_family(config.get("model_type")).from_hf(config, name)
         # HF and vLLM stop on every eos id of both files; config.json's first one leads.
+        # A multimodal checkpoint (Qwen3.5's top-level config) keeps the text model's ids in
+        # its text_config.
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
         eos_ids = [
             *_token_ids(config, "eos_token_id", "HF config"),
+            *_token_ids(text, "eos_token_id", "HF config text_config"),
             *_token_ids(generation, "eos_token_id", "generation_config.json"),
         ]
         if not eos_ids:

@@ -63,9 +63,13 @@ def check_bf16_prefill_logits(path, model, *, rel: float = 0.06, length: int | N
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    ids = torch.tensor([prompt])
     with torch.no_grad():
+        # Every prompt token is real: without the mask, HF takes a random prompt's pad ids for
+        # padding.
         gen = model.generate(
-            torch.tensor([prompt]),
+            ids,
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -13,13 +14,14 @@ from jaxmamba.model.loader import checkpoint_param_shapes
 from jaxmamba.model.params import param_shapes
 
 PRESETS = ["nemotron-3-nano-30b-a3b", "granite-4.0-h-small", "falcon-h1-7b"]
+GDN_PRESETS = ["qwen3-next-80b-a3b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"]
 
 
 def _count(tree) -> int:
     return sum(math.prod(s.shape) for s in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + GDN_PRESETS)
 def test_parameter_map_matches_the_model_parameters(preset):
     cfg = ModelConfig.from_preset(preset)
     assert checkpoint_param_shapes(cfg, jnp.bfloat16) == param_shapes(cfg, jnp.bfloat16)
@@ -38,3 +40,12 @@ def test_nemotron_3_nano_has_its_published_size():
     # The model card: 31.6B total, 3.2B active without embeddings (3.5B with them).
     assert 31.0e9 < total < 32.2e9, total
     assert 3.3e9 < total - idle < 3.7e9, total - idle
+
+
+@pytest.mark.parametrize("preset", GDN_PRESETS + ["qwen3-next-tiny", "qwen3.5-0.8b"])
+def test_gdn_presets_are_what_their_config_json_reads_as(preset):
+    """A preset written as an HF config.json reads back as itself: its fields are exactly
+    what the family adapter makes of the published config."""
+    cfg = ModelConfig.from_preset(preset)
+    back = ModelConfig.from_hf_config(cfg.to_hf_config())
+    assert dataclasses.replace(back, name=cfg.name) == cfg

@@ -164,3 +164,22 @@ def test_bf16_prefill_logits_match_hf_bf16(dense):
 
 def test_generation_chunked_prefill_and_prefix_hit_match_hf_generate(moe):
     check_generation(*moe)
+
+
+def test_multimodal_config_stops_on_its_text_configs_eos_and_the_generation_configs(
+    multimodal, tmp_path
+):
+    """Published Qwen3.5 configs keep eos_token_id inside text_config; generation_config.json
+    may list more stop ids (<|im_end|>): the engine stops on all of them."""
+    import json
+    import shutil
+
+    path = tmp_path / "mm"
+    shutil.copytree(multimodal[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    config["text_config"]["eos_token_id"] = 7
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
+    cfg = ModelConfig.from_hf_config(path)
+    assert (cfg.eos_token_id, cfg.eos_token_ids) == (7, (7, 9))
