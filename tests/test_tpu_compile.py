@@ -108,3 +108,20 @@ def test_whole_model_steps_compile_deviceless_with_libtpu(tpu_python):
     ), lines
     for line in lines.values():
         assert "GFLOP" in line and "ms/step" in line and "fits" in line
+
+
+def test_gdn_model_steps_compile_deviceless_with_libtpu(tpu_python):
+    """`jaxmamba aot` on a Gated DeltaNet hybrid: the tiny Qwen3-Next's decode and prefill
+    steps with the GDN kernels compiled for one v6e chip."""
+    cmd = [tpu_python, "-m", "jaxmamba.cli", "aot", "--model", "qwen3-next-tiny",
+           "--topology", "v6e:2x2", "--max-num-seqs", "1", "--max-model-len", "128",
+           "--max-num-batched-tokens", "64", "--buckets", "1x1x1", "64x1x0"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_tpu_env(),
+                         cwd=ROOT)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    lines = {line.split()[0]: line for line in run.stdout.splitlines() if line.startswith("T=")}
+    assert set(lines) == {"T=1", "T=64"}, run.stdout
+    assert "2/2 programs fit one v6e chip's HBM" in run.stdout
+    kernels = {k: set(v.split(" kernels ")[1].split()[0].split(",")) for k, v in lines.items()}
+    assert {"causal_conv1d_update", "gdn_decode_tpu"} <= kernels["T=1"], lines
+    assert {"causal_conv1d_varlen", "gdn_prefill_tpu"} <= kernels["T=64"], lines
