@@ -217,3 +217,35 @@ def test_tensor_parallel_gdn_equals_one_device(tmp_path):
         assert t1 == t2
         np.testing.assert_allclose(lp1, lp2, atol=2e-4)
     assert "gdn_num_value_heads=6" in seen["refused"]
+
+
+def test_the_openai_server_serves_a_gdn_model(llm_off):
+    """/v1/completions on the GDN preset (a server engine with the same weights and pools as
+    `llm_off`): the greedy tokens' logprobs `LLM.generate` gives, streamed or not (the preset
+    has no tokenizer: the text is empty, the logprobs name the tokens)."""
+    import httpx
+    from test_server import ServerThread
+
+    from jaxmamba.serve.api_server import ServerConfig
+
+    llm = make_llm(enable_prefix_caching=False, params=llm_off.runner.params)
+    thread = ServerThread(llm, ServerConfig(served_model_names=("qwen-tiny",)))
+    try:
+        prompt = np.random.default_rng(8).integers(0, 256, 30).tolist()
+        ref = llm_off.generate(prompt_token_ids=[prompt], sampling_params=greedy(logprobs=1),
+                               use_tqdm=False)[0].outputs[0]  # fmt: skip
+        body = dict(model="qwen-tiny", prompt=prompt, max_tokens=6, temperature=0.0,
+                    ignore_eos=True, logprobs=1)  # fmt: skip
+        reply = httpx.post(f"{thread.url}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        lps = [lp[t].logprob for lp, t in zip(ref.logprobs, ref.token_ids, strict=True)]
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], lps, atol=2e-4)
+        streamed = httpx.post(f"{thread.url}/v1/completions", json={**body, "stream": True},
+                              timeout=120)  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        streamed_lps = [lp for c in chunks for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+        np.testing.assert_allclose(streamed_lps, lps, atol=2e-4)
+    finally:
+        thread.stop()
