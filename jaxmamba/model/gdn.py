@@ -22,13 +22,9 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, windows_at
 from jaxmamba.kernels.gdn import gdn_decode, gdn_gating, gdn_prefill
 from jaxmamba.model.layers import Dtype, Linear
-from jaxmamba.model.mamba2 import DepthwiseConvWeights
+from jaxmamba.model.mamba2 import DepthwiseConvWeights, a_log_init
 from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.parallel.collectives import ShardLayout
-
-
-def _a_log_init(key, shape, dtype=jnp.float32):
-    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
 
 
 class GatedRMSNorm(nn.Module):
@@ -94,7 +90,7 @@ class GatedDeltaNetMixer(nn.Module):
             "dt_bias", nn.with_logical_partitioning(nn.initializers.ones, ("gdn_heads",)), (hv,)
         )
         a_log = self.param(
-            "A_log", nn.with_logical_partitioning(_a_log_init, ("gdn_heads",)), (hv,)
+            "A_log", nn.with_logical_partitioning(a_log_init, ("gdn_heads",)), (hv,)
         )
 
         outputs = []

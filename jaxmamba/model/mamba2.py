@@ -25,7 +25,7 @@ from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.parallel.collectives import ShardLayout
 
 
-def _a_log_init(key, shape, dtype=jnp.float32):
+def a_log_init(key, shape, dtype=jnp.float32):
     return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
 
 
@@ -106,7 +106,7 @@ class Mamba2Mixer(nn.Module):
             "dt_bias", nn.with_logical_partitioning(_dt_bias_init, ("mamba_heads",)), (H,)
         )
         a_log = self.param(
-            "A_log", nn.with_logical_partitioning(_a_log_init, ("mamba_heads",)), (H,)
+            "A_log", nn.with_logical_partitioning(a_log_init, ("mamba_heads",)), (H,)
         )
         d_skip = self.param(
             "D", nn.with_logical_partitioning(nn.initializers.ones, ("mamba_heads",)), (H,)
