@@ -25,13 +25,24 @@ PAD = 5  # padding tokens after the last sequence, NaN
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
 DECODE_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
-PREFILL = {
-    "gpu": functools.partial(gdn_prefill_gpu, interpret=True),
+PREFILL = {  # name: (kernel, chunk)
+    "gpu": (functools.partial(gdn_prefill_gpu, interpret=True), CHUNK),
     # Several Dv tiles in the state and output passes, the last one partly masked (Dv 40).
-    "gpu_tiles": functools.partial(
-        gdn_prefill_gpu,
-        interpret=True,
-        block_sizes=PrefillGpuBlockSizes(state_block_v=16, out_block_v=32),
+    "gpu_tiles": (
+        functools.partial(
+            gdn_prefill_gpu,
+            interpret=True,
+            block_sizes=PrefillGpuBlockSizes(state_block_v=16, out_block_v=32),
+        ),
+        CHUNK,
+    ),
+    # Chunks of 64 solved in row blocks of 16 (Qwen3-Next's chunk, the default blocks) and 32.
+    "gpu_row_blocks": (functools.partial(gdn_prefill_gpu, interpret=True), 64),
+    "gpu_row_blocks_32": (
+        functools.partial(
+            gdn_prefill_gpu, interpret=True, block_sizes=PrefillGpuBlockSizes(wy_sub_block=32)
+        ),
+        64,
     ),
 }
 REF = jax.jit(gdn_prefill_ref, static_argnames=("chunk_size", "scale", "use_qk_l2norm"))
@@ -86,24 +97,34 @@ def _chunk_ends(cu, starts, chunk_size):
 
 
 @pytest.mark.parametrize(
-    "kernel, case", [*(("gpu", case) for case in CASES), ("gpu_tiles", "f32_ratio3_odd_dims")]
+    "kernel, case",
+    [
+        *(("gpu", case) for case in CASES),
+        ("gpu_tiles", "f32_ratio3_odd_dims"),
+        *(("gpu_row_blocks", case) for case in ("f32_ratio3_odd_dims", "bf16_ratio3_odd_dims")),
+        ("gpu_row_blocks_32", "f32_ratio3_odd_dims"),
+    ],
 )
 def test_prefill_matches_token_loop_over_odd_lengths(kernel, case):
     """Lengths 0, 1, C-1, C+3, 3C+5, starts off the chunk grid, random initial states, NaN
     padding tokens; the tracked chunk states (duplicates, out of chunk order) too."""
     dtype, hk, hv, dk, dv, lengths, starts, with_init = CASES[case]
+    kernel, chunk = PREFILL[kernel]
+    if chunk != CHUNK:  # the same shapes of lengths over the larger chunk
+        lengths = tuple(n * chunk // CHUNK for n in lengths)
+        starts = None if starts is None else tuple(p * chunk // CHUNK for p in starts)
     inp = _prefill_inputs(0, dtype, hk, hv, dk, dv, lengths, with_init)
     cu = _cu(lengths)
-    ends = _chunk_ends(cu, starts, CHUNK)
+    ends = _chunk_ends(cu, starts, chunk)
     wanted = [ends[i][0] for i in (-1, 0, len(ends) // 2, 0)]
     scale = dk**-0.5
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], jnp.asarray(cu))
     kwargs = dict(
-        chunk_size=CHUNK, scale=scale, initial_states=inp["init"],
+        chunk_size=chunk, scale=scale, initial_states=inp["init"],
         start_positions=None if starts is None else jnp.asarray(starts, jnp.int32),
         state_chunks=jnp.asarray(wanted, jnp.int32),
     )  # fmt: skip
-    o, final, tracked = PREFILL[kernel](*args, **kwargs)
+    o, final, tracked = kernel(*args, **kwargs)
 
     init = np.zeros((len(lengths), hv, dk, dv)) if inp["init"] is None else _f64(inp["init"])
     keep = [sorted({e for _, s, e in ends if s == seq}) for seq in range(len(lengths))]
@@ -138,7 +159,7 @@ def test_prefill_without_norm_states_in_bf16_and_no_tracking():
     q, k = inp["q"] * 0.2, inp["k"] * 0.2
     init = inp["init"].astype(jnp.bfloat16)
     cu = _cu(lengths)
-    out = PREFILL["gpu"](
+    out = PREFILL["gpu"][0](
         q, k, inp["v"], inp["g"], inp["beta"], jnp.asarray(cu), chunk_size=CHUNK, scale=0.5,
         use_qk_l2norm=False, initial_states=init,
     )  # fmt: skip

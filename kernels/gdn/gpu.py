@@ -6,12 +6,12 @@ A chunk's tokens are a run of packed rows starting at ``chunk_token_lo``; the ke
 it as a masked window of C rows and number its tokens 0..count-1 (the empty offsets of a
 sequence's first chunk act as the identity step, so where they sit does not matter).
 
-1. **WY pass**, grid ``(HV, NC)``: per (value head, chunk), with γ the in-chunk cumsum of g,
-   ``T = (I + StrictTril(diag(β) K Kᵀ ⊙ Γ))⁻¹`` by forward substitution on a ``[C, C]``
-   register tile (row i of T from the rows above it: C-1 dependent row updates, no
-   products of powers of the strictly lower part, which overflow for repeated keys), then
-   ``W = T (diag(β e^γ) K)`` and ``U = T diag(β) V`` (``[NC, HV, C, D*]``, dot dtype) and γ
-   (``f32[NC, HV, C]``).
+1. **WY pass**, grid ``(HV, NC)``: per (value head, chunk), with γ the in-chunk cumsum of g
+   and ``A = StrictTril(diag(β) K Kᵀ ⊙ Γ)``, solves ``(I + A) W = diag(β e^γ) K`` and
+   ``(I + A) U = diag(β) V`` (``[NC, HV, C, D*]``, dot dtype) in row blocks of
+   ``wy_sub_block``: each diagonal block is inverted by forward substitution on a register
+   tile (row i from the rows above it; never powers of A, which overflow for repeated keys),
+   then ``X_b = T_bb (Y_b - Σ_{c<b} A_bc X_c)``. Also writes γ (``f32[NC, HV, C]``).
 2. **State pass**, grid ``(HV, Dv / state_block_v, S)``: one program per (value head, Dv
    tile, sequence) walks the sequence's chunks in order with its ``[Dk, block_v]`` slice of
    the running state in registers: ``V' = U - W S`` (written over U in place: U is aliased
@@ -73,6 +73,7 @@ class PrefillGpuBlockSizes:
     """Tiles and launch options of the three prefill passes (blocks are powers of two, capped
     by the padded head dim). The defaults are unswept first choices: no H200 timing yet."""
 
+    wy_sub_block: int = 16  # rows of the WY pass's diagonal blocks (the chunk: one block)
     wy_warps: int = 4
     state_block_v: int = 64  # Dv columns of the running state a state-pass program carries
     state_warps: int = 4
@@ -170,19 +171,24 @@ def _segment_decay(gamma: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.exp(jnp.where(keep, gamma[:, None] - gamma[None, :], -jnp.inf))
 
 
-def _invert_unit_lower(at: jax.Array) -> jax.Array:  # f32[C, C] -> f32[C, C]
-    """``(I + A)⁻¹`` for strictly lower ``A`` given as ``at = Aᵀ``, by forward substitution:
-    row i of T is ``e_i - Σ_{j<i} A[i, j] T[j, :]``, rows >= i of the carry still I."""
-    c = at.shape[0]
-    pos = jnp.arange(c)
+def _invert_unit_lower(ats: list[jax.Array]) -> list[jax.Array]:  # f32[B, B] each
+    """``(I + A)⁻¹`` of several strictly lower ``A`` at once, each given as ``at = Aᵀ``, by
+    forward substitution: row i of T is ``e_i - Σ_{j<i} A[i, j] T[j, :]``, rows >= i of the
+    carry still I. The blocks share the loop, so their row updates overlap."""
+    size = ats[0].shape[0]
+    pos = jnp.arange(size)
     i_idx, j_idx = pos[:, None], pos[None, :]
 
-    def substitute(i, t):
-        a_i = jnp.sum(jnp.where(j_idx == i, at, 0.0), axis=1)  # [C] A[i, j] over j
-        row = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * t, axis=0)
-        return jnp.where(i_idx == i, row[None, :], t)
+    def substitute(i, ts):
+        out = []
+        for at, t in zip(ats, ts, strict=True):
+            a_i = jnp.sum(jnp.where(j_idx == i, at, 0.0), axis=1)  # [B] A[i, j] over j
+            row = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * t, axis=0)
+            out.append(jnp.where(i_idx == i, row[None, :], t))
+        return tuple(out)
 
-    return lax.fori_loop(1, c, substitute, (i_idx == j_idx).astype(_F32))
+    eye = (i_idx == j_idx).astype(_F32)
+    return list(lax.fori_loop(1, size, substitute, tuple(eye for _ in ats)))
 
 
 def _wy_kernel(
@@ -198,41 +204,60 @@ def _wy_kernel(
     *,
     dims: _Dims,
     bvp: int,
+    sub: int,
 ):
     h, chunk = pl.program_id(0), pl.program_id(1)
     count = count_ref[chunk]
-    c = dims.chunk_size
 
     @pl.when(count > 0)
     def _():
         dot_dtype = w_ref.dtype
-        pos = jnp.arange(c)
-        t_ok = pos < count
-        rows = pl.ds(lo_ref[chunk], c)
-        k = _load_qk(k_ref, rows, t_ok, lax.div(h, dims.heads_per_key), dims, dot_dtype)
-        v_cols, v_ok = _cols(0, bvp, dims.dv)
-        v = _load(v_ref.at[rows, h, v_cols], (t_ok, v_ok)).astype(_F32)
-        g = _load(g_ref.at[rows, h], (t_ok,)).astype(_F32)
-        beta = _load(beta_ref.at[rows, h], (t_ok,)).astype(_F32)
-        g, beta = jnp.where(t_ok, g, 0.0), jnp.where(t_ok, beta, 0.0)
-        gamma = lax.cumsum(g, axis=0)
-
-        # at[j, i] = A[i, j] = β_i (k_i · k_j) e^{γ_i - γ_j} for j < i: A transposed, so the
-        # column of ``at`` that row i of T needs is a row reduction (no layout change).
-        i_idx, j_idx = pos[:, None], pos[None, :]
-        kk = dot(k.astype(dot_dtype), k.astype(dot_dtype), (1, 1))  # symmetric
-        upper = j_idx > i_idx
-        at = jnp.where(upper, beta[None, :] * kk * _segment_decay(-gamma, upper), 0.0)
-
-        t = _invert_unit_lower(at).astype(dot_dtype)
+        kh = lax.div(h, dims.heads_per_key)
         k_cols, k_ok = _cols(0, dims.bk, dims.dk)
-        bk_scaled = (k * (beta * jnp.exp(gamma))[:, None]).astype(dot_dtype)
-        _store(w_ref.at[chunk, h, pl.ds(0, c), k_cols], dot(t, bk_scaled).astype(dot_dtype),
-               (None, k_ok))  # fmt: skip
-        bv_scaled = (v * beta[:, None]).astype(dot_dtype)
-        _store(u_ref.at[chunk, h, pl.ds(0, c), v_cols], dot(t, bv_scaled).astype(dot_dtype),
-               (None, v_ok))  # fmt: skip
-        gamma_ref[chunk, h, :] = gamma
+        v_cols, v_ok = _cols(0, bvp, dims.dv)
+        pos = jnp.arange(sub)
+        upper = pos[None, :] > pos[:, None]
+        lo = lo_ref[chunk]
+        # The chunk in blocks of ``sub`` rows: row block b holds tokens [b sub, (b+1) sub).
+        ks, gammas, betas, t_oks = [], [], [], []
+        offset = jnp.zeros((), _F32)
+        for b in range(dims.chunk_size // sub):
+            t_ok = b * sub + pos < count
+            rows = pl.ds(lo + b * sub, sub)
+            ks.append(_load_qk(k_ref, rows, t_ok, kh, dims, dot_dtype).astype(dot_dtype))
+            g = jnp.where(t_ok, _load(g_ref.at[rows, h], (t_ok,)), 0.0)
+            betas.append(jnp.where(t_ok, _load(beta_ref.at[rows, h], (t_ok,)), 0.0))
+            gammas.append(lax.cumsum(g, axis=0) + offset)
+            offset = offset + jnp.sum(g)
+            t_oks.append(t_ok)
+            gamma_ref[chunk, h, pl.ds(b * sub, sub)] = gammas[b]
+
+        # A[i, j] = β_i (k_i · k_j) e^{γ_i - γ_j} for i > j. The diagonal blocks are inverted
+        # by substitution, transposed (``at[j, i] = A[i, j]``: the column of ``at`` a row of T
+        # needs is a row reduction, no layout change); (I + A) X = Y is then solved block by
+        # block, X_b = T_bb (Y_b - Σ_{c<b} A_bc X_c), for X = W and X = U at once.
+        diag_ats = [
+            jnp.where(upper, beta[None, :] * dot(k, k, (1, 1)) * _segment_decay(-gamma, upper), 0.0)
+            for k, gamma, beta in zip(ks, gammas, betas, strict=True)
+        ]
+        diag_inv = _invert_unit_lower(diag_ats)
+        ws, us = [], []
+        for b, (k, gamma, beta, t_ok) in enumerate(zip(ks, gammas, betas, t_oks, strict=True)):
+            rows = pl.ds(lo + b * sub, sub)
+            v = _load(v_ref.at[rows, h, v_cols], (t_ok, v_ok)).astype(_F32)
+            y_w = k.astype(_F32) * (beta * jnp.exp(gamma))[:, None]
+            y_u = v * beta[:, None]
+            for c in range(b):
+                decay = jnp.exp(gamma[:, None] - gammas[c][None, :])  # i > j: exponent <= 0
+                a_bc = (beta[:, None] * dot(k, ks[c], (1, 1)) * decay).astype(dot_dtype)
+                y_w = y_w - dot(a_bc, ws[c])
+                y_u = y_u - dot(a_bc, us[c])
+            t_bb = diag_inv[b].astype(dot_dtype)
+            ws.append(dot(t_bb, y_w.astype(dot_dtype)).astype(dot_dtype))
+            us.append(dot(t_bb, y_u.astype(dot_dtype)).astype(dot_dtype))
+            block = pl.ds(b * sub, sub)
+            _store(w_ref.at[chunk, h, block, k_cols], ws[b], (None, k_ok))
+            _store(u_ref.at[chunk, h, block, v_cols], us[b], (None, v_ok))
 
 
 def _state_kernel(
@@ -373,6 +398,7 @@ def gdn_prefill_gpu(
     bs = block_sizes or PrefillGpuBlockSizes.get_default(num_seqs, num_v_heads)
     for name, value in (
         ("chunk_size", chunk_size),
+        ("wy_sub_block", bs.wy_sub_block),
         ("state_block_v", bs.state_block_v),
         ("out_block_v", bs.out_block_v),
     ):
@@ -387,23 +413,35 @@ def gdn_prefill_gpu(
     requests = tracked_requests(nc, state_chunks, False) if tracked is None else tracked
     check_tracked_requests(requests, nc, num_tracked)
     state_dtype = _F32 if initial_states is None else initial_states.dtype
-    dot_dtype = v.dtype
     dims = _Dims(
         chunk_size=chunk_size, dk=dk, dv=dv, bk=max(pow2_at_least(dk), MIN_DOT_DIM),
         heads_per_key=num_v_heads // num_k_heads, scale=float(scale),
         use_qk_l2norm=bool(use_qk_l2norm),
     )  # fmt: skip
-    bvp = max(pow2_at_least(dv), MIN_DOT_DIM)
     lo, count = layout.chunk_token_lo, layout.chunk_token_count
-    per_chunk = (nc, num_v_heads, chunk_size)
 
-    # Pass 1: T, W, U and γ of every (value head, chunk) at once.
-    w, u, gamma = pallas_call(
-        functools.partial(_wy_kernel, dims=dims, bvp=bvp),
+    w, u, gamma = _wy_pass(lo, count, k, v, g, beta, dims=dims, bs=bs, interpret=interpret)
+    vnew, entering, final_states, tracked_states = _state_pass(
+        layout, requests, k, w, gamma, u, initial_states, dims=dims, bs=bs,
+        num_tracked=num_tracked, state_dtype=state_dtype, interpret=interpret,
+    )  # fmt: skip
+    o = _output_pass(lo, count, q, k, gamma, vnew, entering, dims=dims, bs=bs, interpret=interpret)
+    if state_chunks is None:
+        return o, final_states
+    return o, final_states, tracked_states[:num_tracked]
+
+
+def _wy_pass(lo, count, k, v, g, beta, *, dims: _Dims, bs: PrefillGpuBlockSizes, interpret):
+    """Pass 1: W, U and γ of every (value head, chunk) at once."""
+    nc, (num_v_heads, dv) = lo.shape[0], v.shape[1:]
+    per_chunk = (nc, num_v_heads, dims.chunk_size)
+    sub = min(bs.wy_sub_block, dims.chunk_size)
+    return pallas_call(
+        functools.partial(_wy_kernel, dims=dims, bvp=max(pow2_at_least(dv), MIN_DOT_DIM), sub=sub),
         grid=(num_v_heads, nc),
         out_shape=(
-            jax.ShapeDtypeStruct((*per_chunk, dk), dot_dtype),
-            jax.ShapeDtypeStruct((*per_chunk, dv), dot_dtype),
+            jax.ShapeDtypeStruct((*per_chunk, dims.dk), v.dtype),
+            jax.ShapeDtypeStruct((*per_chunk, dv), v.dtype),
             jax.ShapeDtypeStruct(per_chunk, _F32),
         ),
         compiler_params=plgpu.CompilerParams(num_warps=bs.wy_warps, num_stages=1),
@@ -411,13 +449,31 @@ def gdn_prefill_gpu(
         name="gdn_prefill_gpu_wy",
     )(lo, count, k, v, g.astype(_F32), beta.astype(_F32))
 
-    # Pass 2: the serial walk over each sequence's chunks; V' replaces U in place.
-    state_block_v = min(bs.state_block_v, bvp)
-    state_operands = [
+
+def _state_pass(
+    layout: ChunkLayout,
+    requests: TrackedRequests,
+    k,
+    w,
+    gamma,
+    u,
+    initial_states,
+    *,
+    dims: _Dims,
+    bs: PrefillGpuBlockSizes,
+    num_tracked: int,
+    state_dtype,
+    interpret,
+):
+    """Pass 2: the serial walk over each sequence's chunks; V' replaces U in place."""
+    num_seqs = layout.seq_first_chunk.shape[0]
+    nc, num_v_heads = u.shape[:2]
+    block_v = min(bs.state_block_v, max(pow2_at_least(dims.dv), MIN_DOT_DIM))
+    operands = [
         layout.seq_first_chunk.astype(jnp.int32),
         layout.seq_num_chunks.astype(jnp.int32),
-        lo,
-        count,
+        layout.chunk_token_lo,
+        layout.chunk_token_count,
         requests.lo,
         requests.hi,
         requests.order,
@@ -427,19 +483,16 @@ def gdn_prefill_gpu(
         u,
     ]
     if initial_states is not None:
-        state_operands.append(initial_states)
-    state_shape = (num_v_heads, dk, dv)
-    vnew, entering, final_states, tracked_states = pallas_call(
+        operands.append(initial_states)
+    state_shape = (num_v_heads, dims.dk, dims.dv)
+    return pallas_call(
         functools.partial(
-            _state_kernel,
-            dims=dims,
-            block_v=state_block_v,
-            has_init=initial_states is not None,
-        ),  # fmt: skip
-        grid=(num_v_heads, pl.cdiv(dv, state_block_v), num_seqs),
+            _state_kernel, dims=dims, block_v=block_v, has_init=initial_states is not None
+        ),
+        grid=(num_v_heads, pl.cdiv(dims.dv, block_v), num_seqs),
         out_shape=(
-            jax.ShapeDtypeStruct(u.shape, dot_dtype),
-            jax.ShapeDtypeStruct((nc, *state_shape), dot_dtype),
+            jax.ShapeDtypeStruct(u.shape, u.dtype),
+            jax.ShapeDtypeStruct((nc, *state_shape), u.dtype),
             jax.ShapeDtypeStruct((num_seqs, *state_shape), state_dtype),
             jax.ShapeDtypeStruct((max(num_tracked, 1), *state_shape), state_dtype),
         ),
@@ -447,21 +500,23 @@ def gdn_prefill_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=bs.state_warps, num_stages=bs.state_stages),
         interpret=interpret,
         name="gdn_prefill_gpu_states",
-    )(*state_operands)
+    )(*operands)
 
-    # Pass 3: every (value head, Dv tile, chunk) independently.
-    out_block_v = min(bs.out_block_v, bvp)
-    o = pallas_call(
-        functools.partial(_output_kernel, dims=dims, block_v=out_block_v),
-        grid=(num_v_heads, pl.cdiv(dv, out_block_v), nc),
-        out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+
+def _output_pass(
+    lo, count, q, k, gamma, vnew, entering, *, dims: _Dims, bs: PrefillGpuBlockSizes, interpret
+):
+    """Pass 3: every (value head, Dv tile, chunk) independently."""
+    nc, num_v_heads = vnew.shape[:2]
+    block_v = min(bs.out_block_v, max(pow2_at_least(dims.dv), MIN_DOT_DIM))
+    return pallas_call(
+        functools.partial(_output_kernel, dims=dims, block_v=block_v),
+        grid=(num_v_heads, pl.cdiv(dims.dv, block_v), nc),
+        out_shape=jax.ShapeDtypeStruct((q.shape[0], num_v_heads, dims.dv), vnew.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=bs.out_warps, num_stages=bs.out_stages),
         interpret=interpret,
         name="gdn_prefill_gpu_outputs",
     )(lo, count, q, k, gamma, vnew, entering)
-    if state_chunks is None:
-        return o, final_states
-    return o, final_states, tracked_states[:num_tracked]
 
 
 def _decode_kernel(
