@@ -11,11 +11,13 @@ sequence's first chunk act as the identity step, so where they sit does not matt
    ``(I + A) U = diag(β) V`` (``[NC, HV, C, D*]``, dot dtype) in row blocks of
    ``wy_sub_block``: each diagonal block is inverted by forward substitution on a register
    tile (row i from the rows above it; never powers of A, which overflow for repeated keys),
-   then ``X_b = T_bb (Y_b - Σ_{c<b} A_bc X_c)``. Also writes γ (``f32[NC, HV, C]``).
+   then ``X_b = T_bb (Y_b - Σ_{c<b} A_bc X_c)``. Also writes γ (``f32[NC, HV, C]``) and the
+   normalised keys in the chunk layout (``[NC, Hk, C, Dk]``, zero past a chunk's end), so
+   the later passes read K at a fixed offset and never normalise it again.
 2. **State pass**, grid ``(HV, Dv / state_block_v, S)``: one program per (value head, Dv
    tile, sequence) walks the sequence's chunks in order with its ``[Dk, block_v]`` slice of
    the running state in registers: ``V' = U - W S`` (written over U in place: U is aliased
-   to V'), ``S <- e^{γ_C} S + (K ⊙ e^{γ_C - γ})ᵀ V'``. It writes each chunk's *entering*
+   to V'), ``S <- e^{γ_C} S + Kᵀ (V' ⊙ e^{γ_C - γ})``. It writes each chunk's *entering*
    state (``[NC, HV, Dk, Dv]``, dot dtype, what the output pass multiplies), the final
    states and each requested chunk-end state straight into the tracked rows that ask for it
    (``TrackedRequests``, as the SSD's state pass).
@@ -24,7 +26,7 @@ sequence's first chunk act as the identity step, so where they sit does not matt
 
 Only the state pass is serial, and it does two ``[C, Dk] x [Dk, block_v]``-sized matmuls a
 chunk; the inverse and the intra-chunk attention are spread over ``HV * NC`` programs. The
-price is W, U/V' and the entering states' round trip through HBM.
+price is W, U/V', K and the entering states' round trip through HBM.
 
 Decode, grid ``(Dv / block_v, HV, B)``: a program gates (``g = -exp(A_log)
 softplus(a + dt_bias)``, ``β = σ(b)``), L2-normalises its row's q and k, loads its
@@ -201,6 +203,7 @@ def _wy_kernel(
     w_ref,  # [NC, HV, C, Dk] T (diag(β e^γ) K)
     u_ref,  # [NC, HV, C, Dv] T diag(β) V
     gamma_ref,  # f32[NC, HV, C] in-chunk cumsum of g
+    kn_ref,  # [NC, Hk, C, Dk] K normalised, rounded to the dot dtype, 0 past the chunk's end
     *,
     dims: _Dims,
     bvp: int,
@@ -231,6 +234,11 @@ def _wy_kernel(
             offset = offset + jnp.sum(g)
             t_oks.append(t_ok)
             gamma_ref[chunk, h, pl.ds(b * sub, sub)] = gammas[b]
+
+        @pl.when(lax.rem(h, dims.heads_per_key) == 0)  # the key head's first value head
+        def _():
+            for b, k in enumerate(ks):
+                _store(kn_ref.at[chunk, kh, pl.ds(b * sub, sub), k_cols], k, (None, k_ok))
 
         # A[i, j] = β_i (k_i · k_j) e^{γ_i - γ_j} for i > j. The diagonal blocks are inverted
         # by substitution, transposed (``at[j, i] = A[i, j]``: the column of ``at`` a row of T
@@ -263,12 +271,10 @@ def _wy_kernel(
 def _state_kernel(
     seq_first_ref,  # i32[S] first chunk
     seq_count_ref,  # i32[S] chunks
-    lo_ref,  # i32[NC]
-    count_ref,  # i32[NC]
     req_lo_ref,  # i32[NC] chunk c's end state fills tracked rows order[lo[c]:hi[c]]
     req_hi_ref,  # i32[NC]
     order_ref,  # i32[max(K, 1)]
-    k_ref,  # [T, Hk, Dk]
+    kn_ref,  # [NC, Hk, C, Dk]
     w_ref,  # [NC, HV, C, Dk]
     gamma_ref,  # f32[NC, HV, C]
     u_ref,  # [NC, HV, C, Dv] (aliased to vnew_ref)
@@ -286,7 +292,6 @@ def _state_kernel(
     dot_dtype = w_ref.dtype
     kh = lax.div(h, dims.heads_per_key)
     first, seq_chunks = seq_first_ref[s], seq_count_ref[s]
-    pos = jnp.arange(c)
     k_cols, k_ok = _cols(0, dims.bk, dims.dk)
     v_cols, v_ok = _cols(vb * block_v, block_v, dims.dv)
     state_oks = (k_ok, v_ok)
@@ -294,18 +299,18 @@ def _state_kernel(
 
     def step(j, state):  # state: f32[bk, block_v] entering chunk first + j
         chunk = first + j
-        t_ok = pos < count_ref[chunk]
-        k = _load_qk(k_ref, pl.ds(lo_ref[chunk], c), t_ok, kh, dims, dot_dtype)
+        k = _load(kn_ref.at[chunk, kh, c_rows, k_cols], (None, k_ok))
         w = _load(w_ref.at[chunk, h, c_rows, k_cols], (None, k_ok))
         u = _load(u_ref.at[chunk, h, c_rows, v_cols], (None, v_ok)).astype(_F32)
         gamma = gamma_ref[chunk, h, :]
         last = gamma_ref[chunk, h, c - 1]
         state_in = state.astype(dot_dtype)
         _store(entering_ref.at[chunk, h, k_cols, v_cols], state_in, state_oks)
-        vnew = (u - dot(w, state_in)).astype(dot_dtype)
-        _store(vnew_ref.at[chunk, h, c_rows, v_cols], vnew, (None, v_ok))
-        k_decayed = (k * jnp.exp(last - gamma)[:, None]).astype(dot_dtype)
-        state = jnp.exp(last) * state + dot(k_decayed, vnew, (0, 0))
+        vnew = u - dot(w, state_in)
+        _store(vnew_ref.at[chunk, h, c_rows, v_cols], vnew.astype(dot_dtype), (None, v_ok))
+        # The decay to the chunk's end on V' ([C, block_v]) rather than on K ([C, Dk]).
+        vnew_decayed = (vnew * jnp.exp(last - gamma)[:, None]).astype(dot_dtype)
+        state = jnp.exp(last) * state + dot(k, vnew_decayed, (0, 0))
 
         first_request, end_request = req_lo_ref[chunk], req_hi_ref[chunk]
 
@@ -333,7 +338,7 @@ def _output_kernel(
     lo_ref,  # i32[NC]
     count_ref,  # i32[NC]
     q_ref,  # [T, Hk, Dk]
-    k_ref,  # [T, Hk, Dk]
+    kn_ref,  # [NC, Hk, C, Dk]
     gamma_ref,  # f32[NC, HV, C]
     vnew_ref,  # [NC, HV, C, Dv]
     entering_ref,  # [NC, HV, Dk, Dv]
@@ -353,13 +358,13 @@ def _output_kernel(
         pos = jnp.arange(c)
         t_ok = pos < count
         rows = pl.ds(lo_ref[chunk], c)
-        q = _load_qk(q_ref, rows, t_ok, kh, dims, dot_dtype) * dims.scale
-        k = _load_qk(k_ref, rows, t_ok, kh, dims, dot_dtype)
-        gamma = gamma_ref[chunk, h, :]
         k_cols, k_ok = _cols(0, dims.bk, dims.dk)
         v_cols, v_ok = _cols(vb * block_v, block_v, dims.dv)
+        q = _load_qk(q_ref, rows, t_ok, kh, dims, dot_dtype) * dims.scale
+        k = _load(kn_ref.at[chunk, kh, pl.ds(0, c), k_cols], (None, k_ok))
+        gamma = gamma_ref[chunk, h, :]
         causal = pos[:, None] >= pos[None, :]
-        qk = dot(q.astype(dot_dtype), k.astype(dot_dtype), (1, 1))
+        qk = dot(q.astype(dot_dtype), k, (1, 1))
         m = (qk * _segment_decay(gamma, causal)).astype(dot_dtype)
         s_in = _load(entering_ref.at[chunk, h, k_cols, v_cols], (k_ok, v_ok))
         vnew = _load(vnew_ref.at[chunk, h, pl.ds(0, c), v_cols], (None, v_ok))
@@ -420,19 +425,19 @@ def gdn_prefill_gpu(
     )  # fmt: skip
     lo, count = layout.chunk_token_lo, layout.chunk_token_count
 
-    w, u, gamma = _wy_pass(lo, count, k, v, g, beta, dims=dims, bs=bs, interpret=interpret)
+    w, u, gamma, kn = _wy_pass(lo, count, k, v, g, beta, dims=dims, bs=bs, interpret=interpret)
     vnew, entering, final_states, tracked_states = _state_pass(
-        layout, requests, k, w, gamma, u, initial_states, dims=dims, bs=bs,
+        layout, requests, kn, w, gamma, u, initial_states, dims=dims, bs=bs,
         num_tracked=num_tracked, state_dtype=state_dtype, interpret=interpret,
     )  # fmt: skip
-    o = _output_pass(lo, count, q, k, gamma, vnew, entering, dims=dims, bs=bs, interpret=interpret)
+    o = _output_pass(lo, count, q, kn, gamma, vnew, entering, dims=dims, bs=bs, interpret=interpret)
     if state_chunks is None:
         return o, final_states
     return o, final_states, tracked_states[:num_tracked]
 
 
 def _wy_pass(lo, count, k, v, g, beta, *, dims: _Dims, bs: PrefillGpuBlockSizes, interpret):
-    """Pass 1: W, U and γ of every (value head, chunk) at once."""
+    """Pass 1: W, U, γ and the normalised keys of every (value head, chunk) at once."""
     nc, (num_v_heads, dv) = lo.shape[0], v.shape[1:]
     per_chunk = (nc, num_v_heads, dims.chunk_size)
     sub = min(bs.wy_sub_block, dims.chunk_size)
@@ -443,6 +448,7 @@ def _wy_pass(lo, count, k, v, g, beta, *, dims: _Dims, bs: PrefillGpuBlockSizes,
             jax.ShapeDtypeStruct((*per_chunk, dims.dk), v.dtype),
             jax.ShapeDtypeStruct((*per_chunk, dv), v.dtype),
             jax.ShapeDtypeStruct(per_chunk, _F32),
+            jax.ShapeDtypeStruct((nc, k.shape[1], dims.chunk_size, dims.dk), v.dtype),
         ),
         compiler_params=plgpu.CompilerParams(num_warps=bs.wy_warps, num_stages=1),
         interpret=interpret,
@@ -453,7 +459,7 @@ def _wy_pass(lo, count, k, v, g, beta, *, dims: _Dims, bs: PrefillGpuBlockSizes,
 def _state_pass(
     layout: ChunkLayout,
     requests: TrackedRequests,
-    k,
+    kn,
     w,
     gamma,
     u,
@@ -472,12 +478,10 @@ def _state_pass(
     operands = [
         layout.seq_first_chunk.astype(jnp.int32),
         layout.seq_num_chunks.astype(jnp.int32),
-        layout.chunk_token_lo,
-        layout.chunk_token_count,
         requests.lo,
         requests.hi,
         requests.order,
-        k,
+        kn,
         w,
         gamma,
         u,
@@ -496,7 +500,7 @@ def _state_pass(
             jax.ShapeDtypeStruct((num_seqs, *state_shape), state_dtype),
             jax.ShapeDtypeStruct((max(num_tracked, 1), *state_shape), state_dtype),
         ),
-        input_output_aliases={10: 0},
+        input_output_aliases={8: 0},
         compiler_params=plgpu.CompilerParams(num_warps=bs.state_warps, num_stages=bs.state_stages),
         interpret=interpret,
         name="gdn_prefill_gpu_states",
@@ -504,7 +508,7 @@ def _state_pass(
 
 
 def _output_pass(
-    lo, count, q, k, gamma, vnew, entering, *, dims: _Dims, bs: PrefillGpuBlockSizes, interpret
+    lo, count, q, kn, gamma, vnew, entering, *, dims: _Dims, bs: PrefillGpuBlockSizes, interpret
 ):
     """Pass 3: every (value head, Dv tile, chunk) independently."""
     nc, num_v_heads = vnew.shape[:2]
@@ -516,7 +520,7 @@ def _output_pass(
         compiler_params=plgpu.CompilerParams(num_warps=bs.out_warps, num_stages=bs.out_stages),
         interpret=interpret,
         name="gdn_prefill_gpu_outputs",
-    )(lo, count, q, k, gamma, vnew, entering)
+    )(lo, count, q, kn, gamma, vnew, entering)
 
 
 def _decode_kernel(
