@@ -1,5 +1,5 @@
 """Where the GDN prefill's time goes on the GPU, at Qwen3-Next's per-layer shapes: each of our
-three Pallas passes timed alone over a few block sizes (every variant's whole-kernel output
+three passes timed alone over a few block sizes (every variant's whole-kernel output
 checked against the XLA reference first), the whole kernel with the best of each, and fla's
 ``chunk_gated_delta_rule`` kernel by kernel (torch profiler). Prints one table per case.
 
@@ -31,26 +31,22 @@ from jaxmamba.kernels.ssd.layout import build_chunk_layout, tracked_requests  # 
 
 Blocks = gpu.PrefillGpuBlockSizes
 WY = [
-    dict(wy_sub_block=64),
     dict(wy_sub_block=16),
-    dict(wy_sub_block=16, wy_warps=2),
-    dict(wy_sub_block=16, wy_warps=8),
+    dict(wy_sub_block=16, wy_warps=1),
+    dict(wy_sub_block=16, wy_warps=4),
+    dict(wy_sub_block=16, wy_apply_warps=8),
     dict(wy_sub_block=32),
 ]
 STATE = [
     dict(state_block_v=32),
     dict(state_block_v=64),
-    dict(state_block_v=32, state_stages=3),
-    dict(state_block_v=64, state_warps=8),
-    dict(state_block_v=32, state_warps=2),
-    dict(state_block_v=16, state_warps=2),
+    dict(state_block_v=32, state_stages=4),
+    dict(state_block_v=64, state_stages=2),
 ]
 OUT = [
     dict(out_block_v=128),
-    dict(out_block_v=64),
-    dict(out_block_v=128, out_warps=8),
-    dict(out_block_v=64, out_stages=3),
-    dict(out_block_v=128, out_warps=8, out_stages=3),
+    dict(out_block_v=128, out_stages=3),
+    dict(out_block_v=64, out_warps=2),
 ]
 
 
@@ -107,16 +103,16 @@ def pass_calls(dev, s, bs):
     requests = tracked_requests(nc, None, False)
     opts = dict(dims=dims, bs=bs, interpret=INTERPRET[0])
     wy = jax.jit(functools.partial(gpu._wy_pass, **opts))
-    w, u, gamma = wy(lo, count, k, v, g, beta)
+    w, u, gamma, kn = wy(lo, count, k, v, g, beta)
     state = jax.jit(
         functools.partial(gpu._state_pass, num_tracked=0, state_dtype=jnp.float32, **opts)
     )
-    vnew, entering, _, _ = state(layout, requests, k, w, gamma, u, init)
+    vnew, entering, _, _ = state(layout, requests, kn, w, gamma, u, init)
     out = jax.jit(functools.partial(gpu._output_pass, **opts))
     return {
         "wy": lambda: wy(lo, count, k, v, g, beta),
-        "state": lambda: state(layout, requests, k, w, gamma, u, init),
-        "out": lambda: out(lo, count, q, k, gamma, vnew, entering),
+        "state": lambda: state(layout, requests, kn, w, gamma, u, init),
+        "out": lambda: out(lo, count, q, kn, gamma, vnew, entering),
     }
 
 
