@@ -1,20 +1,19 @@
-"""Gated DeltaNet as Pallas GPU kernels (Triton lowering): three passes (four kernels) for
-prefill, one kernel for decode.
+"""Gated DeltaNet as Pallas GPU kernels (Triton lowering): three passes for prefill, one for
+decode.
 
 Prefill walks the SSD's chunk grid (``ssd.layout``: boundaries at absolute multiples of C).
 A chunk's tokens are a run of packed rows starting at ``chunk_token_lo``; the kernels read
 it as a masked window of C rows and number its tokens 0..count-1 (the empty offsets of a
 sequence's first chunk act as the identity step, so where they sit does not matter).
 
-1. **WY pass**, two kernels of grid ``(HV, NC)``. Per (value head, chunk), with γ the
-   in-chunk cumsum of g and ``A = StrictTril(diag(β) K Kᵀ ⊙ Γ)``, the first inverts
-   ``I + A`` in row blocks of ``wy_sub_block``: each diagonal block by forward substitution
-   on a register tile (row i from the rows above it; never powers of A, which overflow for
-   repeated keys), then ``T_bc = -T_bb Σ_{c<=m<b} A_bm T_mc`` below the diagonal. It writes
-   T (``[NC, HV, C, C]``, dot dtype), γ (``f32[NC, HV, C]``) and the normalised keys in the
-   chunk layout (``[NC, Hk, C, Dk]``, zero past a chunk's end), so the later kernels read K
-   at a fixed offset and never normalise it again. The second applies T in two full-chunk
-   matmuls: ``W = T diag(β e^γ) K`` and ``U = T diag(β) V`` (``[NC, HV, C, D*]``).
+1. **WY pass**, grid ``(HV, NC)``: per (value head, chunk), with γ the in-chunk cumsum of g
+   and ``A = StrictTril(diag(β) K Kᵀ ⊙ Γ)``, solves ``(I + A) W = diag(β e^γ) K`` and
+   ``(I + A) U = diag(β) V`` (``[NC, HV, C, D*]``, dot dtype) in row blocks of
+   ``wy_sub_block``: each diagonal block is inverted by forward substitution on a register
+   tile (row i from the rows above it; never powers of A, which overflow for repeated keys),
+   then ``X_b = T_bb (Y_b - Σ_{c<b} A_bc X_c)``. Also writes γ (``f32[NC, HV, C]``) and the
+   normalised keys in the chunk layout (``[NC, Hk, C, Dk]``, zero past a chunk's end), so
+   the later passes read K at a fixed offset and never normalise it again.
 2. **State pass**, grid ``(HV, Dv / state_block_v, S)``: one program per (value head, Dv
    tile, sequence) walks the sequence's chunks in order with its ``[Dk, block_v]`` slice of
    the running state in registers: ``V' = U - W S`` (written over U in place: U is aliased
@@ -27,7 +26,7 @@ sequence's first chunk act as the identity step, so where they sit does not matt
 
 Only the state pass is serial, and it does two ``[C, Dk] x [Dk, block_v]``-sized matmuls a
 chunk; the inverse and the intra-chunk attention are spread over ``HV * NC`` programs. The
-price is T, W, U/V', K and the entering states' round trip through HBM.
+price is W, U/V', K and the entering states' round trip through HBM.
 
 Decode, grid ``(Dv / block_v, HV, B)``: a program gates (``g = -exp(A_log)
 softplus(a + dt_bias)``, ``β = σ(b)``), L2-normalises its row's q and k, loads its
@@ -73,13 +72,12 @@ _L2_EPS = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class PrefillGpuBlockSizes:
-    """Tiles and launch options of the prefill kernels (blocks are powers of two, capped by the
-    padded head dim). Defaults: the fastest per pass at Qwen3-Next's shapes on the H200
-    (``scripts/dev/gdn_prefill_passes.py``, docs/benchmarks.md)."""
+    """Tiles and launch options of the three prefill passes (blocks are powers of two, capped
+    by the padded head dim). Defaults: the fastest per pass at Qwen3-Next's shapes on the
+    H200 (``scripts/dev/gdn_prefill_passes.py``, docs/benchmarks.md)."""
 
     wy_sub_block: int = 16  # rows of the WY pass's diagonal blocks (the chunk: one block)
-    wy_warps: int = 2  # the inverse's
-    wy_apply_warps: int = 4
+    wy_warps: int = 2
     state_block_v: int = 64  # Dv columns of the running state a state-pass program carries
     state_warps: int = 4
     state_stages: int = 3
@@ -196,17 +194,20 @@ def _invert_unit_lower(ats: list[jax.Array]) -> list[jax.Array]:  # f32[B, B] ea
     return list(lax.fori_loop(1, size, substitute, tuple(eye for _ in ats)))
 
 
-def _wy_inverse_kernel(
+def _wy_kernel(
     lo_ref,  # i32[NC] first token of each chunk
     count_ref,  # i32[NC] tokens in each chunk
     k_ref,  # [T, Hk, Dk]
+    v_ref,  # [T, HV, Dv]
     g_ref,  # f32[T, HV]
     beta_ref,  # f32[T, HV]
-    t_ref,  # [NC, HV, C, C] (I + A)⁻¹
+    w_ref,  # [NC, HV, C, Dk] T (diag(β e^γ) K)
+    u_ref,  # [NC, HV, C, Dv] T diag(β) V
     gamma_ref,  # f32[NC, HV, C] in-chunk cumsum of g
     kn_ref,  # [NC, Hk, C, Dk] K normalised, rounded to the dot dtype, 0 past the chunk's end
     *,
     dims: _Dims,
+    bvp: int,
     sub: int,
 ):
     h, chunk = pl.program_id(0), pl.program_id(1)
@@ -214,14 +215,15 @@ def _wy_inverse_kernel(
 
     @pl.when(count > 0)
     def _():
-        dot_dtype = t_ref.dtype
+        dot_dtype = w_ref.dtype
         kh = lax.div(h, dims.heads_per_key)
         k_cols, k_ok = _cols(0, dims.bk, dims.dk)
+        v_cols, v_ok = _cols(0, bvp, dims.dv)
         pos = jnp.arange(sub)
         upper = pos[None, :] > pos[:, None]
         lo = lo_ref[chunk]
         # The chunk in blocks of ``sub`` rows: row block b holds tokens [b sub, (b+1) sub).
-        ks, gammas, betas = [], [], []
+        ks, gammas, betas, t_oks = [], [], [], []
         offset = jnp.zeros((), _F32)
         for b in range(dims.chunk_size // sub):
             t_ok = b * sub + pos < count
@@ -231,6 +233,7 @@ def _wy_inverse_kernel(
             betas.append(jnp.where(t_ok, _load(beta_ref.at[rows, h], (t_ok,)), 0.0))
             gammas.append(lax.cumsum(g, axis=0) + offset)
             offset = offset + jnp.sum(g)
+            t_oks.append(t_ok)
             gamma_ref[chunk, h, pl.ds(b * sub, sub)] = gammas[b]
 
         @pl.when(lax.rem(h, dims.heads_per_key) == 0)  # the key head's first value head
@@ -240,60 +243,30 @@ def _wy_inverse_kernel(
 
         # A[i, j] = β_i (k_i · k_j) e^{γ_i - γ_j} for i > j. The diagonal blocks are inverted
         # by substitution, transposed (``at[j, i] = A[i, j]``: the column of ``at`` a row of T
-        # needs is a row reduction, no layout change); then block by block below the diagonal,
-        # T_bc = -T_bb Σ_{c<=m<b} A_bm T_mc.
+        # needs is a row reduction, no layout change); (I + A) X = Y is then solved block by
+        # block, X_b = T_bb (Y_b - Σ_{c<b} A_bc X_c), for X = W and X = U at once.
         diag_ats = [
             jnp.where(upper, beta[None, :] * dot(k, k, (1, 1)) * _segment_decay(-gamma, upper), 0.0)
             for k, gamma, beta in zip(ks, gammas, betas, strict=True)
         ]
-        inverse = {(b, b): t_bb for b, t_bb in enumerate(_invert_unit_lower(diag_ats))}
-        for b, (k, gamma, beta) in enumerate(zip(ks, gammas, betas, strict=True)):
-            a_b = [
-                beta[:, None] * dot(k, ks[c], (1, 1)) * jnp.exp(gamma[:, None] - gammas[c][None, :])
-                for c in range(b)
-            ]  # every i > j: the exponent is <= 0
-            for c in reversed(range(b)):
-                coupling = sum(dot(a_b[m], inverse[m, c]) for m in range(c, b))
-                inverse[b, c] = -dot(inverse[b, b], coupling)
-            for c in range(dims.chunk_size // sub):
-                t_bc = inverse.get((b, c), jnp.zeros((sub, sub), _F32)).astype(dot_dtype)
-                t_ref[chunk, h, pl.ds(b * sub, sub), pl.ds(c * sub, sub)] = t_bc
-
-
-def _wy_apply_kernel(
-    lo_ref,  # i32[NC]
-    count_ref,  # i32[NC]
-    v_ref,  # [T, HV, Dv]
-    beta_ref,  # f32[T, HV]
-    t_ref,  # [NC, HV, C, C]
-    gamma_ref,  # f32[NC, HV, C]
-    kn_ref,  # [NC, Hk, C, Dk]
-    w_ref,  # [NC, HV, C, Dk] T (diag(β e^γ) K)
-    u_ref,  # [NC, HV, C, Dv] T diag(β) V
-    *,
-    dims: _Dims,
-    bvp: int,
-):
-    h, chunk = pl.program_id(0), pl.program_id(1)
-    count = count_ref[chunk]
-
-    @pl.when(count > 0)
-    def _():
-        dot_dtype = w_ref.dtype
-        c = dims.chunk_size
-        t_ok = jnp.arange(c) < count
-        rows, c_rows = pl.ds(lo_ref[chunk], c), pl.ds(0, c)
-        k_cols, k_ok = _cols(0, dims.bk, dims.dk)
-        v_cols, v_ok = _cols(0, bvp, dims.dv)
-        t = t_ref[chunk, h, :, :]
-        k = _load(kn_ref.at[chunk, lax.div(h, dims.heads_per_key), c_rows, k_cols], (None, k_ok))
-        gamma = gamma_ref[chunk, h, :]
-        beta = jnp.where(t_ok, _load(beta_ref.at[rows, h], (t_ok,)), 0.0)
-        v = _load(v_ref.at[rows, h, v_cols], (t_ok, v_ok)).astype(_F32)
-        w = dot(t, (k.astype(_F32) * (beta * jnp.exp(gamma))[:, None]).astype(dot_dtype))
-        u = dot(t, (v * beta[:, None]).astype(dot_dtype))
-        _store(w_ref.at[chunk, h, c_rows, k_cols], w.astype(dot_dtype), (None, k_ok))
-        _store(u_ref.at[chunk, h, c_rows, v_cols], u.astype(dot_dtype), (None, v_ok))
+        diag_inv = _invert_unit_lower(diag_ats)
+        ws, us = [], []
+        for b, (k, gamma, beta, t_ok) in enumerate(zip(ks, gammas, betas, t_oks, strict=True)):
+            rows = pl.ds(lo + b * sub, sub)
+            v = _load(v_ref.at[rows, h, v_cols], (t_ok, v_ok)).astype(_F32)
+            y_w = k.astype(_F32) * (beta * jnp.exp(gamma))[:, None]
+            y_u = v * beta[:, None]
+            for c in range(b):
+                decay = jnp.exp(gamma[:, None] - gammas[c][None, :])  # i > j: exponent <= 0
+                a_bc = (beta[:, None] * dot(k, ks[c], (1, 1)) * decay).astype(dot_dtype)
+                y_w = y_w - dot(a_bc, ws[c])
+                y_u = y_u - dot(a_bc, us[c])
+            t_bb = diag_inv[b].astype(dot_dtype)
+            ws.append(dot(t_bb, y_w.astype(dot_dtype)).astype(dot_dtype))
+            us.append(dot(t_bb, y_u.astype(dot_dtype)).astype(dot_dtype))
+            block = pl.ds(b * sub, sub)
+            _store(w_ref.at[chunk, h, block, k_cols], ws[b], (None, k_ok))
+            _store(u_ref.at[chunk, h, block, v_cols], us[b], (None, v_ok))
 
 
 def _state_kernel(
@@ -465,33 +438,23 @@ def gdn_prefill_gpu(
 
 
 def _wy_pass(lo, count, k, v, g, beta, *, dims: _Dims, bs: PrefillGpuBlockSizes, interpret):
-    """Pass 1: T, γ and the normalised keys of every (value head, chunk), then W and U."""
+    """Pass 1: W, U, γ and the normalised keys of every (value head, chunk) at once."""
     nc, (num_v_heads, dv) = lo.shape[0], v.shape[1:]
     per_chunk = (nc, num_v_heads, dims.chunk_size)
-    t, gamma, kn = pallas_call(
-        functools.partial(_wy_inverse_kernel, dims=dims, sub=min(bs.wy_sub_block, dims.chunk_size)),
+    sub = min(bs.wy_sub_block, dims.chunk_size)
+    return pallas_call(
+        functools.partial(_wy_kernel, dims=dims, bvp=max(pow2_at_least(dv), MIN_DOT_DIM), sub=sub),
         grid=(num_v_heads, nc),
         out_shape=(
-            jax.ShapeDtypeStruct((*per_chunk, dims.chunk_size), v.dtype),
+            jax.ShapeDtypeStruct((*per_chunk, dims.dk), v.dtype),
+            jax.ShapeDtypeStruct((*per_chunk, dv), v.dtype),
             jax.ShapeDtypeStruct(per_chunk, _F32),
             jax.ShapeDtypeStruct((nc, k.shape[1], dims.chunk_size, dims.dk), v.dtype),
         ),
         compiler_params=plgpu.CompilerParams(num_warps=bs.wy_warps, num_stages=1),
         interpret=interpret,
-        name="gdn_prefill_gpu_wy_inverse",
-    )(lo, count, k, g.astype(_F32), beta.astype(_F32))
-    w, u = pallas_call(
-        functools.partial(_wy_apply_kernel, dims=dims, bvp=max(pow2_at_least(dv), MIN_DOT_DIM)),
-        grid=(num_v_heads, nc),
-        out_shape=(
-            jax.ShapeDtypeStruct((*per_chunk, dims.dk), v.dtype),
-            jax.ShapeDtypeStruct((*per_chunk, dv), v.dtype),
-        ),
-        compiler_params=plgpu.CompilerParams(num_warps=bs.wy_apply_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_prefill_gpu_wy_apply",
-    )(lo, count, v, beta.astype(_F32), t, gamma, kn)
-    return w, u, gamma, kn
+        name="gdn_prefill_gpu_wy",
+    )(lo, count, k, v, g.astype(_F32), beta.astype(_F32))
 
 
 def _state_pass(

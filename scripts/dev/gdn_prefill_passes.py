@@ -1,5 +1,5 @@
 """Where the GDN prefill's time goes on the GPU, at Qwen3-Next's per-layer shapes: each of our
-three passes timed alone over a few block sizes (every variant's whole-kernel output
+three Pallas passes timed alone over a few block sizes (every variant's whole-kernel output
 checked against the XLA reference first), the whole kernel with the best of each, and fla's
 ``chunk_gated_delta_rule`` kernel by kernel (torch profiler). Prints one table per case.
 
@@ -31,22 +31,22 @@ from jaxmamba.kernels.ssd.layout import build_chunk_layout, tracked_requests  # 
 
 Blocks = gpu.PrefillGpuBlockSizes
 WY = [
-    dict(wy_sub_block=16),
-    dict(wy_sub_block=16, wy_warps=1),
+    dict(wy_sub_block=64),  # one block: the whole chunk by substitution
     dict(wy_sub_block=16, wy_warps=4),
-    dict(wy_sub_block=16, wy_apply_warps=8),
+    dict(wy_sub_block=16, wy_warps=2),
     dict(wy_sub_block=32),
 ]
 STATE = [
-    dict(state_block_v=32),
-    dict(state_block_v=64),
-    dict(state_block_v=32, state_stages=4),
+    dict(state_block_v=32, state_stages=2),
     dict(state_block_v=64, state_stages=2),
+    dict(state_block_v=32, state_stages=3),
+    dict(state_block_v=32, state_warps=2),
 ]
 OUT = [
     dict(out_block_v=128),
-    dict(out_block_v=128, out_stages=3),
-    dict(out_block_v=64, out_warps=2),
+    dict(out_block_v=64),
+    dict(out_block_v=128, out_warps=8),
+    dict(out_block_v=64, out_stages=3),
 ]
 
 
