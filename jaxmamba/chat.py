@@ -8,14 +8,15 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jaxmamba.tokenizer import Tokenizer
+if TYPE_CHECKING:  # the tokenizers' apply_chat_template imports this module
+    from jaxmamba.tokenizer import Tokenizer
 
 
 def render_chat(

@@ -1,4 +1,6 @@
-"""Model configuration: one frozen dataclass, built from a preset, a YAML file or an HF config.
+"""Model configuration: one frozen dataclass, its checks, and our YAML format. Presets, HF
+`config.json` files and model specs are read by `jaxmamba.model.families` (`load_config`,
+`config_from_hf`), which knows every family.
 
 Dimension letters used in comments: E hidden, V vocab, H mamba heads, P mamba head dim,
 G groups, N state size, K conv width, F MLP width, Hq/Hkv attention heads, Dh head dim;
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ import yaml
 # Presets are package data of `jaxmamba.configs` (the repo's configs/ folder).
 CONFIGS_DIR = Path(str(importlib.resources.files("jaxmamba.configs")))
 
+# The HF model types of the families in `jaxmamba.model.families` (a test keeps the two equal).
+MODEL_TYPES = ("nemotron_h", "mamba2", "bamba", "granitemoehybrid", "falcon_h1", "qwen3_next",
+               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")  # fmt: skip
 LAYER_TYPES = ("mamba", "attention", "mlp", "moe", "parallel", "gdn")
 MLP_ACTIVATIONS = ("relu2", "silu_glu")
 MOE_ROUTERS = ("softmax_topk", "softmax", "sigmoid_grouped")
@@ -124,10 +128,8 @@ class ModelConfig:
         self._validate()
 
     def _validate(self) -> None:
-        from jaxmamba.model.families import families
-
-        if self.model_type not in families():
-            _bad("model_type", self.model_type, f"one of {tuple(sorted(families()))}")
+        if self.model_type not in MODEL_TYPES:
+            _bad("model_type", self.model_type, f"one of {tuple(sorted(MODEL_TYPES))}")
         if not self.layer_types:
             _bad("layer_types", self.layer_types, "at least one layer")
         for i, t in enumerate(self.layer_types):
@@ -351,78 +353,6 @@ class ModelConfig:
             d.setdefault("name", path.stem)
         return cls.from_dict(d, source=str(path))
 
-    @classmethod
-    def from_preset(cls, name: str) -> ModelConfig:
-        """A preset's config: `configs/<name>.yaml`, or the checkpoint in `configs/<name>/`."""
-        path = preset_path(name)
-        if path is None:
-            raise ValueError(f"unknown model preset {name!r}; available: {list_presets()}")
-        return cls.from_hf_config(path) if path.is_dir() else cls.from_yaml(path)
-
-    @classmethod
-    def load(cls, spec: str | os.PathLike | ModelConfig) -> ModelConfig:
-        """A preset name, a YAML file, an HF config.json, or a directory holding config.json."""
-        if isinstance(spec, ModelConfig):
-            return spec
-        path = Path(spec)
-        if path.is_dir():
-            return cls.from_hf_config(path)
-        if path.suffix in (".yaml", ".yml"):
-            return cls.from_yaml(path)
-        if path.suffix == ".json":
-            return cls.from_hf_config(path)
-        if os.sep in str(spec) or path.exists():
-            raise ValueError(
-                f"model spec {str(spec)!r} is neither a directory with config.json, "
-                "a .yaml file nor a .json file"
-            )
-        return cls.from_preset(str(spec))
-
-    # ----- HF config.json -----
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any] | str | os.PathLike) -> ModelConfig:
-        """Parse an HF `config.json` (a dict, the file, or the directory holding it). Read from
-        a file, the stop ids also include those of the `generation_config.json` beside it."""
-        name, generation = "", {}
-        if not isinstance(config, dict):
-            path = Path(config)
-            if path.is_dir():
-                path = path / "config.json"
-            name = path.parent.name
-            try:
-                config = json.loads(path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"cannot read HF config {path}: {e}") from e
-            if not isinstance(config, dict):
-                raise ValueError(f"HF config {path} is not a JSON object")
-            generation = _read_generation_config(path.parent / "generation_config.json")
-        from jaxmamba.model.families import get_family
-
-        cfg = get_family(config.get("model_type")).from_hf(config, name)
-        # HF and vLLM stop on every eos id of both files; config.json's first one leads.
-        # A multimodal checkpoint (Qwen3.5's top-level config) keeps the text model's ids in
-        # its text_config.
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-        eos_ids = [
-            *_token_ids(config, "eos_token_id", "HF config"),
-            *_token_ids(text, "eos_token_id", "HF config text_config"),
-            *_token_ids(generation, "eos_token_id", "generation_config.json"),
-        ]
-        if not eos_ids:
-            return cfg  # the architecture's default eos id, if any
-        eos_ids = list(dict.fromkeys(eos_ids))
-        return dataclasses.replace(cfg, eos_token_id=eos_ids[0], eos_token_ids=tuple(eos_ids))
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """The HF `config.json` dict that transformers loads as this model."""
-        from jaxmamba.model.families import get_family
-
-        family = get_family(self.model_type)
-        if family.to_hf is None:
-            raise ValueError(f"writing a {self.model_type} config.json is not implemented")
-        return family.to_hf(self)
-
 
 def list_presets() -> list[str]:
     yamls = [p.stem for p in CONFIGS_DIR.glob("*.yaml")]
@@ -457,29 +387,3 @@ def _bad(field: str, value: Any, expected: str) -> None:
 
 def _is_id(value: Any, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
-
-
-def _token_ids(config: dict, key: str, source: str) -> list[int]:
-    """Every id of `key`: an int, a list of ints, or absent/null."""
-    value = config.get(key)
-    if value is None:
-        return []
-    values = value if isinstance(value, list) else [value]
-    for v in values:
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ValueError(
-                f"{source} {key}={value!r} is invalid: expected an int or a list of ints"
-            )
-    return values
-
-
-def _read_generation_config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return d

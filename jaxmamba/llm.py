@@ -9,83 +9,33 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import inspect
 import itertools
-import json
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
-from jaxmamba.config import ModelConfig, checkpoint_dir
-from jaxmamba.engine.config import EngineConfig, ssm_cache_dtype
+from jaxmamba.config import ModelConfig
+from jaxmamba.engine.config import EngineConfig, RunConfig
 from jaxmamba.engine.engine import LLMEngine
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.inputs import parse_prompts
 from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.dtypes import DTYPES, resolve_dtype
+from jaxmamba.model.families import load_config
+from jaxmamba.model.weights import load_params
 from jaxmamba.sampling_params import SamplingParams
-from jaxmamba.tokenizer import Tokenizer, load_tokenizer
+from jaxmamba.tokenizer import Tokenizer, load_tokenizer, with_tokenizer_eos
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {
-    "float32": jnp.float32,
-    "fp32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "bf16": jnp.bfloat16,
-}
-
-# A checkpoint's `torch_dtype` → the compute dtype of dtype="auto". The engine has no float16
-# path, so float16 checkpoints run in bfloat16 (same width, wider exponent).
-_AUTO_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
-
-
-def resolve_dtype(dtype: str, model: str) -> str:
-    """The dtype name for `dtype`; "auto" is the checkpoint's `torch_dtype` (float32 when it
-    names none), and float32 for random-weight presets."""
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-        return dtype
-    path = checkpoint_dir(model)
-    if path is None:
-        return "float32"  # random weights: the exact reference dtype
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"  # ModelConfig.load reports the unreadable file
-    named = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
-    if named is None:
-        return "float32"
-    if named not in _AUTO_DTYPES:
-        raise ValueError(
-            f"{path / 'config.json'} torch_dtype={named!r} is unsupported: "
-            f"expected one of {sorted(_AUTO_DTYPES)}, or pass dtype explicitly"
-        )
-    if named == "float16":
-        logger.info("dtype='auto': the float16 checkpoint %s runs in bfloat16", path)
-    return _AUTO_DTYPES[named]
-
-
-def load_params(model: str, cfg: ModelConfig, dtype, seed: int):
-    """An HF checkpoint (a directory or a checkpoint preset) → its weights; a YAML preset or
-    file → random weights from `seed`."""
-    from jaxmamba.model.params import init_params, param_shapes
-
-    path = checkpoint_dir(model)
-    if path is not None:
-        from jaxmamba.model.orbax_io import is_orbax_model, load_orbax_model
-
-        if is_orbax_model(path):  # `jaxmamba convert` output: weights in Orbax
-            return load_orbax_model(path, cfg, dtype)
-        from jaxmamba.model.loader import load_hf_checkpoint
-
-        return load_hf_checkpoint(path, cfg, dtype=dtype, expected=param_shapes(cfg, dtype))
-    return init_params(cfg, dtype, seed)
 
 
 def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_parallel_size: int):
@@ -107,81 +57,62 @@ def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_para
 
 
 class LLM:
+    """A model and its engine, shaped like vLLM's `LLM`.
+
+    `model`: a preset name, a YAML file, an HF checkpoint directory or an exported artifact.
+    Settings are keywords named like the fields of `EngineConfig` and `RunConfig` (each
+    field's default and help text are there), over those of `engine_config` when given;
+    `params` are weights to use instead of loading them.
+    """
+
     def __init__(
         self,
         model: str,
         *,
-        dtype: str = "auto",
-        max_num_seqs: int = 8,
-        max_model_len: int = 2048,
-        max_num_batched_tokens: int = 512,
-        max_prefill_seqs: int = 8,
-        page_size: int = 16,
-        enable_prefix_caching: bool = True,
-        track_interval: int | None = None,
-        num_state_slots: int | None = None,
-        num_pages: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        tensor_parallel_size: int = 1,
-        mamba_ssm_cache_dtype: str = "float32",
-        precompile: bool = False,
-        seed: int = 0,
-        impl: str = "auto",
+        engine_config: EngineConfig | None = None,
         params=None,
-        compilation_cache: bool = True,
-        compilation_cache_dir: str | None = None,
+        **settings: Any,
     ):
+        engine_cfg, run = _settings(engine_config, settings)
         from jaxmamba.export.compile_cache import setup_compilation_cache
 
-        setup_compilation_cache(compilation_cache_dir, enabled=compilation_cache)
+        setup_compilation_cache(run.compilation_cache_dir, enabled=run.compilation_cache)
         from jaxmamba.export.artifact import is_artifact
 
+        tensor_parallel_size = engine_cfg.tensor_parallel_size
         if is_artifact(model):  # a `jaxmamba export` directory: runs without the model code
             if tensor_parallel_size != 1:
                 raise ValueError(
                     f"tensor_parallel_size={tensor_parallel_size}: exported artifacts hold "
                     f"one-device steps; serve the model itself (not {model}) to run it sharded"
                 )
-            from jaxmamba.export.serving import init_llm_from_artifact
+            from jaxmamba.export.serving import serve_artifact
 
-            engine = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          max_num_batched_tokens=max_num_batched_tokens,
-                          max_prefill_seqs=max_prefill_seqs, page_size=page_size,
-                          enable_prefix_caching=enable_prefix_caching,
-                          track_interval=track_interval, num_state_slots=num_state_slots,
-                          num_pages=num_pages,
-                          mamba_ssm_cache_dtype=ssm_cache_dtype(mamba_ssm_cache_dtype))  # fmt: skip
-            init_llm_from_artifact(
-                self, model, seed=seed, params=params, precompile=precompile, engine=engine
-            )
+            # An artifact's cache is sized at export: the memory settings do not apply.
+            engine = {k: v for k, v in dataclasses.asdict(engine_cfg).items()
+                      if k not in ("gpu_memory_utilization", "kv_cache_memory_bytes",
+                                   "tensor_parallel_size")}  # fmt: skip
+            engine["mamba_ssm_cache_dtype"] = engine_cfg.ssm_dtype
+            served = serve_artifact(model, seed=run.seed, params=params,
+                                    precompile=run.precompile, engine=engine)  # fmt: skip
+            self.artifact, self.runner, self.engine = served.artifact, served.runner, served.engine
+            self.model_cfg, self.engine_cfg = served.model_cfg, served.engine_cfg
+            self.tokenizer, self.cache_plan, self.dtype = (served.tokenizer, served.cache_plan,
+                                                           served.dtype)  # fmt: skip
+            self._ids = itertools.count()
             return
         from jaxmamba.engine.runner import ModelRunner
 
-        dtype = resolve_dtype(dtype, model)
-        model_cfg = ModelConfig.load(model)
+        dtype = resolve_dtype(run.dtype, model)
+        model_cfg = load_config(model)
         self.dtype = DTYPES[dtype]
         self.tokenizer = load_tokenizer(model, model_cfg)
-        self.model_cfg = _with_tokenizer_eos(model_cfg, self.tokenizer)
-        self.engine_cfg = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_seqs=max_prefill_seqs,
-            page_size=page_size,
-            enable_prefix_caching=enable_prefix_caching,
-            track_interval=track_interval,
-            num_state_slots=num_state_slots,
-            num_pages=num_pages,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            tensor_parallel_size=tensor_parallel_size,
-            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
-        ).for_chunk_size(self.model_cfg.chunk_size)
+        self.model_cfg = with_tokenizer_eos(model_cfg, self.tokenizer)
+        self.engine_cfg = engine_cfg.for_chunk_size(self.model_cfg.chunk_size)
         if params is None:
-            params = _load_params_for(model, self.model_cfg, self.dtype, seed,
+            params = _load_params_for(model, self.model_cfg, self.dtype, run.seed,
                                       tensor_parallel_size)  # fmt: skip
-        self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, impl)
+        self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, run.impl)
         self.engine_cfg = dataclasses.replace(
             self.engine_cfg,
             num_state_slots=self.cache_plan.state_slots,
@@ -190,11 +121,11 @@ class LLM:
         spec = CacheSpec(
             num_slots=self.engine_cfg.state_slots,
             num_pages=self.engine_cfg.pages,
-            page_size=page_size,
+            page_size=self.engine_cfg.page_size,
             ssm_dtype=self.engine_cfg.ssm_dtype,
         )
         self.runner = ModelRunner(
-            self.model_cfg, params, spec, dtype=self.dtype, impl=impl,
+            self.model_cfg, params, spec, dtype=self.dtype, impl=run.impl,
             tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         if tensor_parallel_size > 1:  # several processes: process 0 sends every step
@@ -202,9 +133,9 @@ class LLM:
 
             self.runner = leader(self.runner)
         self.engine = LLMEngine(
-            self.model_cfg, self.runner, self.engine_cfg, tokenizer=self.tokenizer, seed=seed
+            self.model_cfg, self.runner, self.engine_cfg, tokenizer=self.tokenizer, seed=run.seed
         )
-        if precompile:
+        if run.precompile:
             self.engine.precompile()
         self._ids = itertools.count()
 
@@ -269,10 +200,12 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"} dicts) or to
         each of a list of them, rendered with the tokenizer's chat template (or
-        `chat_template`) as transformers' `apply_chat_template` renders it."""
+        `chat_template`) as transformers' `apply_chat_template` renders it. `use_tqdm` shows
+        a progress bar, as in `generate`."""
         from jaxmamba.chat import render_chat
 
         if self.tokenizer is None:
@@ -294,7 +227,7 @@ class LLM:
         prompts = [
             {"prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts
         ]
-        outputs = self.generate(prompts, sampling_params)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for out, text in zip(outputs, texts, strict=True):
             out.prompt = text
         return outputs
@@ -308,6 +241,50 @@ class LLM:
     def stats(self) -> dict[str, float]:
         """Engine counters: steps, tokens, device reads, compilations, free slots/pages, hits."""
         return self.engine.counters()
+
+
+def _settings(engine_config: EngineConfig | None, settings: dict) -> tuple[EngineConfig, RunConfig]:
+    """`LLM`'s keyword settings split into the two configs; a name that is no field of
+    either is a TypeError naming the valid ones."""
+    engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+    run_names = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(settings) - engine_names - run_names)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], engine_names | run_names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(
+            f"LLM() got unexpected keyword argument(s) {unknown}{hint}: it takes model, "
+            f"engine_config, params and the settings {sorted(run_names)} (RunConfig) and "
+            f"{sorted(engine_names)} (EngineConfig)"
+        )
+    if engine_config is not None and not isinstance(engine_config, EngineConfig):
+        raise TypeError(
+            f"engine_config must be an EngineConfig, got {type(engine_config).__name__}"
+        )
+    engine = {k: v for k, v in settings.items() if k in engine_names}
+    engine_cfg = dataclasses.replace(engine_config or EngineConfig(), **engine)
+    run = RunConfig(**{k: v for k, v in settings.items() if k in run_names})
+    return engine_cfg, run
+
+
+def _init_signature() -> inspect.Signature:
+    """`LLM.__init__`'s signature with every setting as a keyword and its default, for
+    `help(LLM)` and editors."""
+    P = inspect.Parameter
+    params = [
+        P("self", P.POSITIONAL_OR_KEYWORD),
+        P("model", P.POSITIONAL_OR_KEYWORD, annotation=str),
+        P("engine_config", P.KEYWORD_ONLY, default=None, annotation=EngineConfig | None),
+        P("params", P.KEYWORD_ONLY, default=None),
+    ]
+    for cls in (RunConfig, EngineConfig):
+        hints = typing.get_type_hints(cls)
+        params += [P(f.name, P.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+                   for f in dataclasses.fields(cls)]  # fmt: skip
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _init_signature()
 
 
 def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: str = "auto"):
@@ -429,14 +406,6 @@ def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params,
 
     with ThreadPoolExecutor(len(largest)) as pool:
         return max(pool.map(temporaries, largest))
-
-
-def _with_tokenizer_eos(cfg: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:
-    """`cfg` whose stop ids include the tokenizer's eos, as vLLM's do."""
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
-    if eos is None or eos in cfg.eos_token_ids or not 0 <= eos < cfg.vocab_size:
-        return cfg
-    return dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids, eos))
 
 
 class _Counter:

@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
+from jaxmamba.step_contract import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
 
 # Fields that are declared and validated but whose non-default values nothing acts on yet;
 # setting one raises instead of being silently ignored. Whoever implements a field removes it.

@@ -55,12 +55,12 @@ def random_params(model: str, dtype: str, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
-    from jaxmamba.config import ModelConfig
     from jaxmamba.llm import DTYPES, resolve_dtype
+    from jaxmamba.model.families import load_config
     from jaxmamba.model.params import param_shapes
 
     name = {"bf16": "bfloat16", "fp32": "float32"}.get(d := resolve_dtype(dtype, model), d)
-    leaves, tree = jax.tree.flatten(param_shapes(ModelConfig.load(model), DTYPES[name]))
+    leaves, tree = jax.tree.flatten(param_shapes(load_config(model), DTYPES[name]))
 
     @functools.partial(jax.jit, static_argnums=(1, 2))
     def normal(key, shape, dtype):

@@ -233,7 +233,7 @@ class BusySteps(NamedTuple):
 def busy_time(op, pools: Pools, inputs, steps: int) -> tuple[float, float, float]:
     """The steps' device span and kernel time (seconds a step) and kernels a step inside a
     busy program, from a ``jax.profiler`` trace of one call after a warm-up."""
-    from jaxmamba.bench import device_kernel_events, load_trace_events, steps_after_lead_in
+    from trace_summary import device_kernel_events, load_trace_events, steps_after_lead_in
 
     fn = busy_program(op)
     lead_a = jax.random.normal(jax.random.key(1), (8192, 8192), ACT)

@@ -29,20 +29,15 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from trace_summary import format_trace_summary, summarize_trace
 
-from jaxmamba.bench import (
-    BenchResult,
-    bench_one_batch,
-    format_results,
-    format_trace_summary,
-    summarize_trace,
-)
-from jaxmamba.config import ModelConfig
+from jaxmamba.bench import BenchResult, bench_one_batch, format_results
 from jaxmamba.engine import runner as runner_module
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
 from jaxmamba.engine.runner import ModelRunner
 from jaxmamba.kernels.mamba_decode import FUSED_ENV
 from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.families import load_config
 from jaxmamba.model.params import init_params
 
 
@@ -169,7 +164,7 @@ def main() -> None:
                    help="values of xla_gpu_enable_command_buffer ('' = off)")  # fmt: skip
     args = p.parse_args()
     t0 = time.perf_counter()
-    cfg = ModelConfig.load(args.model)
+    cfg = load_config(args.model)
     dtype = jnp.bfloat16
     if args.fast_weights:
         from bench_cold_start import random_params  # scripts/ is on the path

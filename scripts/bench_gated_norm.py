@@ -1,6 +1,5 @@
 """Benchmark the Mamba2 mixer's gated group RMSNorm (``gated_group_rmsnorm``) on one GPU: our
-Pallas kernel against XLA's fusion of the same math (the reference, ``impl="ref"``, which is
-what ``GatedGroupRMSNorm`` ran before the kernel).
+Pallas kernel against XLA's fusion of the same math (the reference, ``impl="ref"``).
 
 Nemotron-Nano-9B-v2 shapes: y bf16[T, 10240], z the first 10240 columns of the in_proj
 output bf16[T, 22656] (read in place by the kernel; XLA fuses the slice), 8 groups of 1280,

@@ -31,6 +31,7 @@ from jaxmamba import bench
 from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.grouped_matmul.gpu import GpuBlockSizes
 from jaxmamba.model import moe
+from jaxmamba.model.families import load_config
 from jaxmamba.model.params import param_shapes
 
 # (tokens, method, kernel block sizes or None): the decisive cases first.
@@ -164,7 +165,7 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     t0 = time.perf_counter()
-    cfg = ModelConfig.load(args.model)
+    cfg = load_config(args.model)
     if args.shrink:
         cfg = shrink(cfg)
     dtype = jnp.bfloat16

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
 from jaxmamba.llm import DTYPES
+from jaxmamba.model.families import load_config
 from jaxmamba.model.params import init_params, param_shapes
 
 
@@ -95,7 +96,7 @@ def main() -> None:
         help="skip sizing the cache from device memory (no probe compiles)",
     )
     args = p.parse_args()
-    cfg = ModelConfig.load(args.model)
+    cfg = load_config(args.model)
     dtype = DTYPES[args.dtype]
     init = fast_random_params if args.fast_init else init_params
     params = jax.block_until_ready(init(cfg, dtype, seed=0))

@@ -14,10 +14,9 @@ top_logprobs=False)`: no sort, no top-20). Beside it, the top-20 logprobs alone,
 ~800), ten calls queued: the time per call with the `lax.cond` against the `jnp.where`.
 
 `--cond-probe`: a program of ~10 ms of matmuls, then a `lax.cond` on a device value (or the
-same choice as a `jnp.where`, or the engine's prompt-logprobs cond); how long the call takes
+same choice as a `jnp.where`); how long the call takes
 to return (dispatch) against the program's time, and ten calls queued back to back. The
-programs have a few kernels each, so a host-side read of the predicate costs them little; in
-an engine step of ~800 kernels it holds back their launch (docs/benchmarks.md).
+programs have a few kernels each, so a host-side read of the predicate costs them little.
 
     python scripts/bench_sampling.py [--vocab 131072] [--batch 1 32 128 256] [--cond-probe]
 """
@@ -35,13 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.model.sampling import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_STOP_IDS,
     Penalties,
     sample,
     top_k_blocked,
 )
+from jaxmamba.step_contract import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
 
 MIXES = ("greedy", "temperature", "top_k50", "top_p0.9", "mixed")
 # (row name, sample switches, with the penalties' state) for all-greedy rows
@@ -140,23 +137,10 @@ def cond_probe() -> dict:
         y = heavy(x)
         return jnp.where(jnp.sum(y[0].astype(jnp.float32)) > 0, y * 2, y * 3)
 
-    from jaxmamba.engine.runner import prompt_tokens_to_score, score_prompt_tokens
-
-    lm_head = jax.random.normal(key, (4480, 131072), jnp.bfloat16) * 0.02
-    targets = jnp.where(jnp.arange(256) % 2 == 0, jnp.arange(256), -1)
-
-    def with_prompt_logprobs(x):  # the engine step's prompt scoring, after the same work
-        y = heavy(x)
-        positions, asked = prompt_tokens_to_score(targets, 0)
-        logits = jnp.dot(y[positions, :4480], lm_head, preferred_element_type=jnp.float32)
-        scored = score_prompt_tokens(logits, positions, asked, targets.shape[0])
-        return y.at[0, 0].add(scored[0, 0].astype(y.dtype))
-
     out = {}
     probes = (
         ("cond", jax.jit(with_cond)),
         ("where", jax.jit(with_where)),
-        ("prompt_logprobs", jax.jit(with_prompt_logprobs)),
     )
     for name, fn in probes:
         jax.block_until_ready(fn(x))

@@ -338,7 +338,7 @@ def kernels_of(fn, args) -> str:
     """The kernels of one call of ``fn``, from a profiler trace."""
     import tempfile
 
-    from jaxmamba.bench import format_trace_summary, summarize_trace
+    from trace_summary import format_trace_summary, summarize_trace
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as trace_dir:

@@ -24,14 +24,14 @@ import time
 
 import jax
 import numpy as np
-
-from jaxmamba import LLM, SamplingParams
-from jaxmamba.bench import (
+from trace_summary import (
     device_kernel_events,
     format_trace_summary,
     kernel_table,
     load_trace_events,
 )
+
+from jaxmamba import LLM, SamplingParams
 
 
 def busy_seconds(kernels: list[dict]) -> float:

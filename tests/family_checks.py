@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
+from jaxmamba.model.families import load_config
 from jaxmamba.model.loader import load_hf_checkpoint
 
 from model_helpers import make_runner, prefill_logits, random_prompts, row
@@ -37,7 +38,7 @@ def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rel: float = 1e-4) ->
 def check_prefill_logits(path, model, *, seed: int = 0, lengths: list[int] | None = None) -> None:
     """Several odd-length prompts packed into one padded prefill step, each against HF.
     `lengths` defaults to chunk-relative ones (1, c - 1, 2c + 5, c + 3)."""
-    cfg = ModelConfig.load(str(path))
+    cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=np.float32)
     runner = make_runner(cfg, params)
     c = cfg.chunk_size
@@ -52,7 +53,7 @@ def check_prefill_logits(path, model, *, seed: int = 0, lengths: list[int] | Non
 def check_bf16_prefill_logits(path, model, *, rel: float = 0.06, length: int | None = None) -> None:
     """bf16 weights and activations on both sides: the same logits within bf16 rounding, on
     one prompt of `length` tokens (default 2c + 3)."""
-    cfg = ModelConfig.load(str(path))
+    cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=jnp.bfloat16)
     runner = make_runner(cfg, params, dtype=jnp.bfloat16)
     length = length or 2 * cfg.chunk_size + 3
@@ -88,7 +89,7 @@ def check_generation(path, model, *, max_tokens: int = 5) -> None:
     """Greedy generation through the engine (decode through the cache; a prompt longer than the
     token budget is prefilled in chunks) equals HF `generate`, logprobs too; then a prompt
     extending the first hits the prefix cache and still equals HF."""
-    chunk = ModelConfig.load(str(path)).chunk_size
+    chunk = load_config(str(path)).chunk_size
     block = math.lcm(chunk, 4)
     # 64, or what the longest prompt and its completion need (chunks of 64: Gated DeltaNet).
     max_model_len = max(64, 2 * block + 8 + max_tokens)

@@ -89,16 +89,16 @@ def test_precompile_reuses_the_memory_probes_executables():
     import jax
     import jax.numpy as jnp
 
-    from jaxmamba import ModelConfig
     from jaxmamba.engine.batch import StepBuilder
     from jaxmamba.engine.config import EngineConfig
     from jaxmamba.engine.runner import ModelRunner
     from jaxmamba.engine.scheduler import Scheduler
     from jaxmamba.llm import _largest_step_temporaries
     from jaxmamba.model.cache import CacheSpec
+    from jaxmamba.model.families import config_from_preset
     from jaxmamba.model.params import init_params
 
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     engine = EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=16,
                           max_prefill_seqs=1, num_state_slots=3, num_pages=5)  # fmt: skip
     engine = engine.for_chunk_size(cfg.chunk_size)

@@ -29,10 +29,10 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def params():
-    from jaxmamba import ModelConfig
+    from jaxmamba.model.families import config_from_preset
     from jaxmamba.model.params import init_params
 
-    return init_params(ModelConfig.from_preset("nemotron-h-tiny"), seed=0)
+    return init_params(config_from_preset("nemotron-h-tiny"), seed=0)
 
 
 def _compiles_while(fn):

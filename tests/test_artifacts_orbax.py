@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
 from jaxmamba.cli import main
+from jaxmamba.model.families import load_config
 from jaxmamba.model.orbax_io import (
     ORBAX_SUBDIR,
     checkpoint_specs,
@@ -79,7 +80,7 @@ def test_missing_extra_and_misshaped_tensors_are_named(converted):
     assert f"unexpected tensors [{names[0]!r}]" in message and dropped
     assert f"{names[1]}: {shape} {dtype}, expected ({shape[0] + 1}," in message
     # A model config the weights were not made for: every tensor that differs is named.
-    cfg = ModelConfig.load(str(ckpt))
+    cfg = load_config(str(ckpt))
     wider = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 8)
     with pytest.raises(ValueError, match=r"mis-shaped tensors \[.*up_proj.*\]"):
         load_orbax_model(ckpt, wider, np.float32)

@@ -1,12 +1,16 @@
-"""The profiler-trace readers of ``jaxmamba.bench`` on synthetic traces: only the kernels on
-the device's stream threads count, and busy/span per step follow from their times."""
+"""The benchmarks' profiler-trace readers (``scripts/trace_summary.py``) on synthetic traces:
+only the kernels on the device's stream threads count, and busy/span per step follow from
+their times."""
 
 import gzip
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from jaxmamba.bench import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from trace_summary import (  # noqa: E402
     device_kernel_events,
     load_trace_events,
     steps_after_lead_in,

@@ -5,8 +5,15 @@ import re
 
 import pytest
 
-from jaxmamba.config import ModelConfig, list_presets
+from jaxmamba.config import MODEL_TYPES, ModelConfig, list_presets
 from jaxmamba.engine.config import EngineConfig
+from jaxmamba.model.families import (
+    FAMILIES,
+    config_from_hf,
+    config_from_preset,
+    hf_config_from,
+    load_config,
+)
 
 NANO_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
 
@@ -72,7 +79,7 @@ def test_presets_give_documented_shapes():
     assert {"nemotron-h-tiny", "nemotron-nano-9b-v2", "mamba2-130m", "mamba2-2.7b"} <= set(
         list_presets()
     )
-    tiny = ModelConfig.from_preset("nemotron-h-tiny")
+    tiny = config_from_preset("nemotron-h-tiny")
     assert tiny.name == "nemotron-h-tiny"
     assert (tiny.vocab_size, tiny.hidden_size, tiny.num_layers) == (272, 64, 8)
     assert (tiny.mamba_layers, tiny.attention_layers) == ((0, 2, 4, 6), (3, 7))
@@ -81,7 +88,7 @@ def test_presets_give_documented_shapes():
     assert (tiny.bos_token_id, tiny.eos_token_id, tiny.pad_token_id) == (256, 257, 258)
     assert tiny.time_step_limit == (0.001, math.inf) and not tiny.tie_word_embeddings
 
-    nano = ModelConfig.from_preset("nemotron-nano-9b-v2")
+    nano = config_from_preset("nemotron-nano-9b-v2")
     assert nano.num_layers == 56 and (nano.num_mamba_layers, nano.num_attention_layers) == (27, 4)
     letters = {"mamba": "M", "attention": "*", "mlp": "-"}
     assert "".join(letters[t] for t in nano.layer_types) == NANO_PATTERN
@@ -93,7 +100,7 @@ def test_presets_give_documented_shapes():
         ("mamba2-130m", 768, 24, 24),
         ("mamba2-2.7b", 2560, 64, 80),
     ):
-        c = ModelConfig.from_preset(name)
+        c = config_from_preset(name)
         assert (c.hidden_size, c.num_layers, c.mamba_num_heads) == (hidden, layers, heads)
         assert c.d_inner == 2 * hidden and c.num_mamba_layers == layers
         assert (c.n_groups, c.ssm_state_size, c.vocab_size) == (1, 128, 50288)
@@ -101,7 +108,7 @@ def test_presets_give_documented_shapes():
 
 
 def test_yaml_round_trip_keeps_inf_and_every_field(tmp_path):
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     cfg.to_yaml(tmp_path / "m.yaml")
     assert ".inf" in (tmp_path / "m.yaml").read_text()
     assert ModelConfig.from_yaml(tmp_path / "m.yaml") == cfg
@@ -109,24 +116,24 @@ def test_yaml_round_trip_keeps_inf_and_every_field(tmp_path):
 
 
 def test_load_dispatches_on_preset_yaml_json_and_directory(tmp_path):
-    tiny = ModelConfig.load("nemotron-h-tiny")
-    assert ModelConfig.load(tiny) is tiny
+    tiny = load_config("nemotron-h-tiny")
+    assert load_config(tiny) is tiny
     tiny.to_yaml(tmp_path / "x.yaml")
-    assert ModelConfig.load(tmp_path / "x.yaml").hidden_size == 64
+    assert load_config(tmp_path / "x.yaml").hidden_size == 64
     (tmp_path / "config.json").write_text(json.dumps(_mamba2_hf()))
-    assert ModelConfig.load(tmp_path).model_type == "mamba2"
-    assert ModelConfig.load(str(tmp_path / "config.json")).num_layers == 5
+    assert load_config(tmp_path).model_type == "mamba2"
+    assert load_config(str(tmp_path / "config.json")).num_layers == 5
     with pytest.raises(ValueError, match="unknown model preset 'no-such-model'.*nemotron-h-tiny"):
-        ModelConfig.load("no-such-model")
+        load_config("no-such-model")
     with pytest.raises(ValueError, match="config.json"):
-        ModelConfig.load(tmp_path / "empty_dir_missing")  # not a dir: treated as a path
+        load_config(tmp_path / "empty_dir_missing")  # not a dir: treated as a path
     (tmp_path / "sub").mkdir()
     with pytest.raises(ValueError, match=r"sub/config\.json"):
-        ModelConfig.load(tmp_path / "sub")
+        load_config(tmp_path / "sub")
 
 
 def test_nemotron_h_legacy_config_is_parsed():
-    cfg = ModelConfig.from_hf_config(_nemotron_hf())
+    cfg = config_from_hf(_nemotron_hf())
     assert cfg.layer_types == ("mamba", "attention", "mlp", "mamba", "mlp")
     assert (cfg.n_groups, cfg.conv_kernel, cfg.chunk_size, cfg.norm_eps) == (3, 3, 32, 1e-6)
     assert cfg.mamba_proj_bias and not cfg.use_conv_bias and cfg.mlp_bias
@@ -152,21 +159,19 @@ def test_nemotron_h_legacy_config_is_parsed():
     ],
 )
 def test_nemotron_h_layer_list_forms_agree_with_pattern(layers):
-    by_pattern = ModelConfig.from_hf_config(_nemotron_hf())
+    by_pattern = config_from_hf(_nemotron_hf())
     c = _nemotron_hf(**layers)
     del c["hybrid_override_pattern"]
-    assert ModelConfig.from_hf_config(c) == by_pattern
+    assert config_from_hf(c) == by_pattern
     # An explicit list wins over a stale pattern, as in transformers.
-    assert ModelConfig.from_hf_config(_nemotron_hf(**layers, hybrid_override_pattern="MM")) == (
-        by_pattern
-    )
+    assert config_from_hf(_nemotron_hf(**layers, hybrid_override_pattern="MM")) == by_pattern
 
 
 def test_legacy_mamba_prefixed_keys_are_read():
     c = _nemotron_hf(mamba_n_groups=2, mamba_d_conv=2, mamba_chunk_size=16)
     for k in ("n_groups", "conv_kernel", "chunk_size"):
         del c[k]
-    cfg = ModelConfig.from_hf_config(c)
+    cfg = config_from_hf(c)
     assert (cfg.n_groups, cfg.conv_kernel, cfg.chunk_size) == (2, 2, 16)
 
 
@@ -174,19 +179,19 @@ def test_hf_config_round_trips_through_transformers():
     from transformers import Mamba2Config, NemotronHConfig
 
     for cfg, cls in (
-        (ModelConfig.from_preset("nemotron-h-tiny"), NemotronHConfig),
-        (ModelConfig.from_hf_config(_mamba2_hf()), Mamba2Config),
+        (config_from_preset("nemotron-h-tiny"), NemotronHConfig),
+        (config_from_hf(_mamba2_hf()), Mamba2Config),
     ):
-        hf = cls(**cfg.to_hf_config())
-        again = ModelConfig.from_hf_config(json.loads(hf.to_json_string()))
+        hf = cls(**hf_config_from(cfg))
+        again = config_from_hf(json.loads(hf.to_json_string()))
         assert again == dataclasses.replace(cfg, name="")
-    hf = NemotronHConfig(**ModelConfig.from_preset("nemotron-h-tiny").to_hf_config())
+    hf = NemotronHConfig(**hf_config_from(config_from_preset("nemotron-h-tiny")))
     assert hf.hybrid_override_pattern == "M-M*M-M*"
     assert (hf.mamba_num_heads * hf.mamba_head_dim, hf.n_groups) == (128, 2)
 
 
 def test_mamba2_config_is_parsed():
-    cfg = ModelConfig.from_hf_config(_mamba2_hf())
+    cfg = config_from_hf(_mamba2_hf())
     assert cfg.layer_types == ("mamba",) * 5 and cfg.attention_layers == ()
     assert (cfg.d_inner, cfg.conv_dim, cfg.in_proj_dim) == (64, 64 + 96, 128 + 96 + 4)
     assert cfg.time_step_limit == (0.01, math.inf)
@@ -217,11 +222,11 @@ def test_mamba2_config_is_parsed():
 )
 def test_unsupported_or_bad_hf_config_raises_naming_the_field(config, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config(config)
+        config_from_hf(config)
 
 
 def test_bad_dataclass_values_raise_naming_the_field():
-    tiny = ModelConfig.from_preset("nemotron-h-tiny")
+    tiny = config_from_preset("nemotron-h-tiny")
     for field, value in (
         ("layer_types", ("mamba", "rwkv")),
         ("mlp_activation", "gelu"),
@@ -238,6 +243,10 @@ def test_bad_dataclass_values_raise_naming_the_field():
     del d["head_dim"]
     with pytest.raises(ValueError, match=r"missing ModelConfig fields \['head_dim'\]"):
         ModelConfig.from_dict(d)
+
+
+def test_model_config_accepts_exactly_the_registered_model_types():
+    assert sorted(MODEL_TYPES) == sorted(FAMILIES)
 
 
 def test_mamba_ssm_cache_dtype_auto_keeps_the_state_float32():
@@ -264,38 +273,38 @@ def test_bad_mamba_ssm_cache_dtype_is_refused_naming_the_field_and_the_choices(b
 def test_malformed_config_json_raises_with_its_path(tmp_path):
     (tmp_path / "config.json").write_text("{ not json")
     with pytest.raises(ValueError, match=str(tmp_path / "config.json")):
-        ModelConfig.from_hf_config(tmp_path)
+        config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a JSON object"):
-        ModelConfig.from_hf_config(tmp_path)
+        config_from_hf(tmp_path)
 
 
 def test_every_eos_id_of_config_json_and_generation_config_json_stops(tmp_path):
-    cfg = ModelConfig.from_hf_config(_nemotron_hf())
+    cfg = config_from_hf(_nemotron_hf())
     assert (cfg.eos_token_id, cfg.eos_token_ids) == (7, (7, 9))
     (tmp_path / "config.json").write_text(json.dumps(_nemotron_hf(eos_token_id=4)))
-    assert ModelConfig.from_hf_config(tmp_path).eos_token_ids == (4,)
+    assert config_from_hf(tmp_path).eos_token_ids == (4,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 4, 11]}))
-    cfg = ModelConfig.from_hf_config(tmp_path)
+    cfg = config_from_hf(tmp_path)
     assert (cfg.eos_token_id, cfg.eos_token_ids) == (4, (4, 9, 11))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 12}))
-    assert ModelConfig.from_hf_config(tmp_path).eos_token_ids == (4, 12)
+    assert config_from_hf(tmp_path).eos_token_ids == (4, 12)
     # Without an eos in config.json, generation_config.json's lead.
     c = _nemotron_hf()
     del c["eos_token_id"]
     (tmp_path / "config.json").write_text(json.dumps(c))
-    cfg = ModelConfig.from_hf_config(tmp_path)
+    cfg = config_from_hf(tmp_path)
     assert (cfg.eos_token_id, cfg.eos_token_ids) == (12, (12,))
     # A list survives the HF round trip and our YAML.
-    listed = ModelConfig.from_hf_config(_nemotron_hf(eos_token_id=[3, 5]))
-    assert listed.to_hf_config()["eos_token_id"] == [3, 5]
-    assert ModelConfig.from_hf_config(listed.to_hf_config()).eos_token_ids == (3, 5)
+    listed = config_from_hf(_nemotron_hf(eos_token_id=[3, 5]))
+    assert hf_config_from(listed)["eos_token_id"] == [3, 5]
+    assert config_from_hf(hf_config_from(listed)).eos_token_ids == (3, 5)
     listed.to_yaml(tmp_path / "m.yaml")
     assert ModelConfig.from_yaml(tmp_path / "m.yaml").eos_token_ids == (3, 5)
 
 
 def test_yaml_without_eos_token_ids_takes_eos_token_id(tmp_path):
-    d = ModelConfig.from_preset("nemotron-h-tiny").to_dict()
+    d = config_from_preset("nemotron-h-tiny").to_dict()
     del d["eos_token_ids"]
     assert ModelConfig.from_dict(d).eos_token_ids == (257,)
     d["eos_token_id"] = None
@@ -313,21 +322,21 @@ def test_yaml_without_eos_token_ids_takes_eos_token_id(tmp_path):
 )
 def test_bad_eos_lists_raise_naming_the_field(eos, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config(_nemotron_hf(eos_token_id=eos))
+        config_from_hf(_nemotron_hf(eos_token_id=eos))
 
 
 def test_bad_generation_config_raises_with_its_path(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_nemotron_hf()))
     (tmp_path / "generation_config.json").write_text("{ nope")
     with pytest.raises(ValueError, match="generation_config.json"):
-        ModelConfig.from_hf_config(tmp_path)
+        config_from_hf(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1.5]}))
     with pytest.raises(ValueError, match="generation_config.json eos_token_id"):
-        ModelConfig.from_hf_config(tmp_path)
+        config_from_hf(tmp_path)
 
 
 def test_eos_token_id_must_be_in_eos_token_ids():
-    tiny = ModelConfig.from_preset("nemotron-h-tiny")
+    tiny = config_from_preset("nemotron-h-tiny")
     with pytest.raises(ValueError, match="eos_token_ids.*eos_token_id=257"):
         dataclasses.replace(tiny, eos_token_ids=(5, 6))
     assert dataclasses.replace(tiny, eos_token_ids=(257, 6)).eos_token_ids == (257, 6)

@@ -12,8 +12,9 @@ import pytest
 import torch
 from family_checks import assert_logits_close, hf_logits
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
 from jaxmamba.config import preset_path
+from jaxmamba.model.families import load_config
 from jaxmamba.model.loader import load_hf_checkpoint
 
 from model_helpers import make_runner, prefill_logits, row
@@ -60,7 +61,7 @@ def test_demo_tokenizer_ids_are_the_utf8_bytes(demo_dir, llm):
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
     assert [tok.token_to_id(s) for s in ("<s>", "</s>", "<pad>")] == [256, 257, 258]
-    assert tok.get_vocab_size() == ModelConfig.load(DEMO).vocab_size
+    assert tok.get_vocab_size() == load_config(DEMO).vocab_size
     assert llm.tokenizer.encode(text) == [256, *text.encode("utf-8")]
     assert llm.tokenizer.eos_token_id == 257
 
@@ -77,7 +78,7 @@ def test_demo_logits_match_hf_transformers(demo_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
-    cfg = ModelConfig.load(str(demo_dir))
+    cfg = load_config(str(demo_dir))
     runner = make_runner(cfg, load_hf_checkpoint(demo_dir, cfg, dtype=np.float32), num_slots=1)
     text = 'import os\n\n\ndef main(argv):\n    """Print every argument."""\n    for a in argv:\n'
     prompt = [cfg.bos_token_id, *text.encode()]
@@ -112,3 +113,59 @@ def test_train_demo_smoke_writes_a_checkpoint_the_engine_loads(tmp_path):
     llm = LLM(str(out), max_num_seqs=1, max_model_len=64, max_num_batched_tokens=16)
     assert llm.model_cfg.layer_types == demo.SMOKE_CONFIG.layer_types
     assert llm.tokenizer.encode("é") == [256, 0xC3, 0xA9]
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "Parse the config file."},
+]
+
+
+def test_demo_chat_renders_its_template_as_transformers_does_and_replies(demo_dir, llm):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(demo_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    (out,) = llm.chat(CONVERSATION, greedy, use_tqdm=False)
+    assert out.prompt == hf.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    )
+    assert (
+        out.prompt
+        == "<s># system: You write Python.\n# user: Parse the config file.\n# assistant:\n\n"
+    )
+    want = hf.apply_chat_template(CONVERSATION, add_generation_prompt=True)["input_ids"]
+    assert (
+        out.prompt_token_ids
+        == want
+        == llm.get_tokenizer().apply_chat_template(
+            CONVERSATION, add_generation_prompt=True, return_dict=False
+        )
+    )
+    (plain,) = llm.generate([{"prompt_token_ids": want}], greedy, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert len(out.outputs[0].text) > 0
+
+
+def test_demo_serves_chat_completions_as_llm_chat_replies(llm):
+    import httpx
+
+    from jaxmamba.serve.api_server import ServerConfig
+
+    from server_helpers import ServerThread
+
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    (want,) = llm.chat(CONVERSATION, greedy, use_tqdm=False)
+    # Same weights and shapes as `llm`: the two share compiled steps.
+    served = LLM(DEMO, params=llm.runner.params, max_num_seqs=2, max_model_len=256,
+                 max_num_batched_tokens=64)  # fmt: skip
+    server = ServerThread(served, ServerConfig(served_model_names=(DEMO,)))
+    try:
+        body = {"model": DEMO, "messages": CONVERSATION, "max_tokens": 16, "temperature": 0}
+        resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    finally:
+        server.stop()
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["message"]["content"] == want.outputs[0].text
+    assert resp.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)

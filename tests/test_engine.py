@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from hf_fixtures import make_nemotron_h_checkpoint
@@ -16,7 +17,7 @@ TINY = "nemotron-h-tiny"
 
 @pytest.fixture(scope="module")
 def tiny_params():
-    return init_params(ModelConfig.from_preset(TINY), seed=0)
+    return init_params(config_from_preset(TINY), seed=0)
 
 
 # Every engine of this module gets the same shapes: rows, max_model_len and a pool small

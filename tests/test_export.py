@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import ModelRunner, jitted_step
 from jaxmamba.export.artifact import programs
@@ -26,6 +25,7 @@ from jaxmamba.kernels import (
     small_m_matmul,
 )
 from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from model_helpers import MAX_PAGES, PAGE_SIZE, builder, row
@@ -120,7 +120,7 @@ def test_kernel_exports_for_platform(case, platform):
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     return cfg, init_params(cfg, seed=0)
 
 
@@ -201,7 +201,7 @@ def test_artifact_exports_every_bucket_for_tpu_and_cuda(tmp_path):
     assert main(argv) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["weights"] is None and not (out / "weights").exists()
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     engine = EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=16)
     expected = Scheduler(cfg, engine.for_chunk_size(cfg.chunk_size)).all_buckets()
     assert [(b["num_tokens"], b["num_rows"], b["num_decode"]) for b in manifest["buckets"]] == [

@@ -9,7 +9,7 @@ from family_checks import (
     check_prefill_logits,
 )
 
-from jaxmamba import ModelConfig
+from jaxmamba.model.families import load_config
 
 from hf_fixtures import save_random_checkpoint
 
@@ -42,7 +42,7 @@ def attention_first(tmp_path_factory):
 
 
 def test_config_maps_each_hf_layer_to_a_mixer_and_a_swiglu_mlp(mamba_first):
-    cfg = ModelConfig.load(str(mamba_first[0]))
+    cfg = load_config(str(mamba_first[0]))
     assert cfg.layer_types == ("mamba", "mlp", "attention", "mlp", "mamba", "mlp")
     assert (cfg.mlp_activation, cfg.rope_theta, cfg.head_dim, cfg.rope_dim) == (
         "silu_glu",

@@ -10,7 +10,7 @@ from family_checks import (
     check_prefill_logits,
 )
 
-from jaxmamba import ModelConfig
+from jaxmamba.model.families import load_config
 
 from hf_fixtures import save_random_checkpoint
 
@@ -50,7 +50,7 @@ def normed(tmp_path_factory):
 
 
 def test_config_pairs_a_parallel_layer_with_an_mlp(plain):
-    cfg = ModelConfig.load(str(plain[0]))
+    cfg = load_config(str(plain[0]))
     assert cfg.layer_types == ("parallel", "mlp", "parallel", "mlp")
     assert cfg.mamba_layers == (0, 2) and cfg.attention_layers == (0, 2)
     assert (cfg.embedding_multiplier, cfg.logits_multiplier) == (1.3, 0.6)

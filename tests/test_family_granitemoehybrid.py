@@ -10,7 +10,7 @@ from family_checks import (
     check_prefill_logits,
 )
 
-from jaxmamba import ModelConfig
+from jaxmamba.model.families import load_config
 
 from hf_fixtures import save_random_checkpoint
 
@@ -49,7 +49,7 @@ def dense_nope(tmp_path_factory):
 
 
 def test_config_reads_the_multipliers_and_the_moe(moe_rope, dense_nope):
-    cfg = ModelConfig.load(str(moe_rope[0]))
+    cfg = load_config(str(moe_rope[0]))
     assert cfg.layer_types == ("mamba", "moe", "attention", "moe", "mamba", "moe")
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (6, 2, 24)
     assert (cfg.moe_shared_intermediate_size, cfg.rope_theta, cfg.rope_dim) == (40, 500.0, 8)
@@ -59,7 +59,7 @@ def test_config_reads_the_multipliers_and_the_moe(moe_rope, dense_nope):
         0.7,
     )
     assert cfg.logits_multiplier == pytest.approx(1 / 2.5)
-    dense = ModelConfig.load(str(dense_nope[0]))
+    dense = load_config(str(dense_nope[0]))
     assert dense.layer_types == ("attention", "mlp", "mamba", "mlp") and dense.rope_theta == 0
     assert dense.intermediate_size == 40 and dense.num_experts == 0
 

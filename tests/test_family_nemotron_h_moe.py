@@ -14,7 +14,7 @@ from family_checks import (
     check_prefill_logits,
 )
 
-from jaxmamba import ModelConfig
+from jaxmamba.model.families import load_config
 from jaxmamba.model.moe import route_sigmoid_grouped
 
 from hf_fixtures import save_random_checkpoint
@@ -53,7 +53,7 @@ def ungrouped(tmp_path_factory):
 
 
 def test_config_reads_the_router(grouped):
-    cfg = ModelConfig.load(str(grouped[0]))
+    cfg = load_config(str(grouped[0]))
     assert cfg.layer_types == ("mamba", "moe", "attention", "moe")
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_router) == (8, 2, "sigmoid_grouped")
     assert (cfg.moe_num_groups, cfg.moe_topk_groups, cfg.moe_routed_scaling) == (4, 2, 2.5)
@@ -94,7 +94,7 @@ def test_generation_chunked_prefill_and_prefix_hit_match_hf_generate(grouped):
 def test_moe_step_compiles_once_for_any_routing(grouped):
     from jaxmamba.model.moe import MoE
 
-    cfg = ModelConfig.load(str(grouped[0]))
+    cfg = load_config(str(grouped[0]))
     moe = MoE(cfg)
     x = jax.random.normal(jax.random.PRNGKey(0), (13, cfg.hidden_size))
     variables = moe.init(jax.random.PRNGKey(1), x)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxmamba import ModelConfig
+from jaxmamba.model.families import config_from_hf, config_from_preset, hf_config_from
 from jaxmamba.model.loader import checkpoint_param_shapes
 from jaxmamba.model.params import param_shapes
 
@@ -23,12 +23,12 @@ def _count(tree) -> int:
 
 @pytest.mark.parametrize("preset", PRESETS + GDN_PRESETS)
 def test_parameter_map_matches_the_model_parameters(preset):
-    cfg = ModelConfig.from_preset(preset)
+    cfg = config_from_preset(preset)
     assert checkpoint_param_shapes(cfg, jnp.bfloat16) == param_shapes(cfg, jnp.bfloat16)
 
 
 def test_nemotron_3_nano_has_its_published_size():
-    cfg = ModelConfig.from_preset("nemotron-3-nano-30b-a3b")
+    cfg = config_from_preset("nemotron-3-nano-30b-a3b")
     assert (cfg.num_mamba_layers, cfg.num_attention_layers, cfg.layer_types.count("moe")) == (
         23,
         6,
@@ -46,6 +46,6 @@ def test_nemotron_3_nano_has_its_published_size():
 def test_gdn_presets_are_what_their_config_json_reads_as(preset):
     """A preset written as an HF config.json reads back as itself: its fields are exactly
     what the family adapter makes of the published config."""
-    cfg = ModelConfig.from_preset(preset)
-    back = ModelConfig.from_hf_config(cfg.to_hf_config())
+    cfg = config_from_preset(preset)
+    back = config_from_hf(hf_config_from(cfg))
     assert dataclasses.replace(back, name=cfg.name) == cfg

@@ -22,7 +22,7 @@ from family_checks import (
     hf_logits,
 )
 
-from jaxmamba import ModelConfig
+from jaxmamba.model.families import config_from_hf, hf_config_from, load_config
 from jaxmamba.model.loader import checkpoint_param_shapes, load_hf_checkpoint, save_hf_checkpoint
 from jaxmamba.model.params import param_shapes
 
@@ -55,7 +55,7 @@ def multimodal(tmp_path_factory):
 
 
 def test_config_reads_the_text_models(dense, moe, multimodal):
-    d = ModelConfig.load(str(dense[0]))
+    d = load_config(str(dense[0]))
     assert (d.model_type, d.layer_types) == (
         "qwen3_5_text",
         ("gdn", "mlp", "attention", "mlp", "gdn", "mlp", "gdn", "mlp"),
@@ -63,7 +63,7 @@ def test_config_reads_the_text_models(dense, moe, multimodal):
     assert (d.gdn_num_key_heads, d.gdn_num_value_heads, d.gdn_key_head_dim) == (2, 6, 24)
     assert (d.gdn_value_head_dim, d.chunk_size, d.rope_dim, d.intermediate_size) == (40, 64, 10, 48)
     assert d.tie_word_embeddings and d.attention_bias and d.num_experts == 0
-    m = ModelConfig.load(str(moe[0]))
+    m = load_config(str(moe[0]))
     assert m.model_type == "qwen3_5_moe_text" and set(m.layer_types[1::2]) == {"moe"}
     assert (m.num_experts, m.moe_router, m.moe_norm_topk_prob, m.moe_shared_expert_gate) == (
         6,
@@ -71,7 +71,7 @@ def test_config_reads_the_text_models(dense, moe, multimodal):
         True,
         True,
     )
-    v = ModelConfig.load(str(multimodal[0]))
+    v = load_config(str(multimodal[0]))
     assert v == dataclasses.replace(d, name=v.name, tie_word_embeddings=False, attention_bias=False)
 
 
@@ -79,36 +79,36 @@ def test_config_round_trips_through_transformers(dense, moe):
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     for (path, _), cls in ((dense, Qwen3_5TextConfig), (moe, Qwen3_5MoeTextConfig)):
-        cfg = ModelConfig.load(str(path))
-        hf = cls(**cfg.to_hf_config())
-        assert ModelConfig.from_hf_config(hf.to_dict()) == dataclasses.replace(cfg, name="")
-    cfg = ModelConfig.load(str(moe[0]))
+        cfg = load_config(str(path))
+        hf = cls(**hf_config_from(cfg))
+        assert config_from_hf(hf.to_dict()) == dataclasses.replace(cfg, name="")
+    cfg = load_config(str(moe[0]))
     with pytest.raises(ValueError, match="moe_norm_topk_prob"):
-        dataclasses.replace(cfg, moe_norm_topk_prob=False).to_hf_config()
+        hf_config_from(dataclasses.replace(cfg, moe_norm_topk_prob=False))
 
 
 def test_parameter_map_matches_the_model_parameters(dense, moe):
     for path, _ in (dense, moe):
-        cfg = ModelConfig.load(str(path))
+        cfg = load_config(str(path))
         assert checkpoint_param_shapes(cfg, jnp.bfloat16) == param_shapes(cfg, jnp.bfloat16)
 
 
 def test_unsupported_values_are_refused_naming_the_field(moe, multimodal):
     config = json.loads((moe[0] / "config.json").read_text())
     with pytest.raises(ValueError, match="num_experts=0"):
-        ModelConfig.from_hf_config({**config, "num_experts": 0})
+        config_from_hf({**config, "num_experts": 0})
     with pytest.raises(ValueError, match="rope_type='mrope'"):
-        ModelConfig.from_hf_config({**config, "rope_parameters": {"rope_type": "mrope"}})
+        config_from_hf({**config, "rope_parameters": {"rope_type": "mrope"}})
     top = json.loads((multimodal[0] / "config.json").read_text())
     with pytest.raises(ValueError, match="text_config.model_type='qwen3_5_moe_text'"):
-        ModelConfig.from_hf_config({**top, "text_config": {**top["text_config"], **config}})
+        config_from_hf({**top, "text_config": {**top["text_config"], **config}})
     with pytest.raises(ValueError, match="no text_config"):
-        ModelConfig.from_hf_config({**top, "text_config": None})
+        config_from_hf({**top, "text_config": None})
 
 
 def test_in_proj_columns_are_hf_q_k_v_z_b_a(dense):
     path, model = dense
-    cfg = ModelConfig.load(str(path))
+    cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=np.float32)
     gdn = model.model.layers[0].linear_attn
     x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -122,7 +122,7 @@ def test_in_proj_columns_are_hf_q_k_v_z_b_a(dense):
 
 def test_multimodal_checkpoint_loads_its_text_model_skipping_vision_and_mtp(multimodal, caplog):
     path, model = multimodal
-    cfg = ModelConfig.load(str(path))
+    cfg = load_config(str(path))
     with caplog.at_level(logging.INFO, logger="jaxmamba.model.loader"):
         params = load_hf_checkpoint(path, cfg, dtype=np.float32)
     vision = sum(1 for n, _ in model.named_parameters() if n.startswith("model.visual."))
@@ -143,7 +143,7 @@ def test_saved_checkpoint_loads_in_transformers_with_the_same_logits(dense, moe,
     prompt = list(range(3, 40))
     for (path, model), cls in ((dense, Qwen3_5ForCausalLM), (moe, Qwen3_5MoeForCausalLM)):
         params = load_hf_checkpoint(path, dtype=np.float32)
-        save_hf_checkpoint(params, ModelConfig.load(str(path)), tmp_path / path.name)
+        save_hf_checkpoint(params, load_config(str(path)), tmp_path / path.name)
         again = cls.from_pretrained(tmp_path / path.name).float().eval()
         assert_logits_close(hf_logits(again, prompt), hf_logits(model, prompt), rel=1e-6)
         reloaded = load_hf_checkpoint(tmp_path / path.name, dtype=np.float32)
@@ -181,5 +181,5 @@ def test_multimodal_config_stops_on_its_text_configs_eos_and_the_generation_conf
     config["text_config"]["eos_token_id"] = 7
     (path / "config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
-    cfg = ModelConfig.from_hf_config(path)
+    cfg = config_from_hf(path)
     assert (cfg.eos_token_id, cfg.eos_token_ids) == (7, (7, 9))

@@ -21,8 +21,7 @@ from family_checks import (
     hf_logits,
 )
 
-from jaxmamba import ModelConfig
-from jaxmamba.model.families import get_family
+from jaxmamba.model.families import config_from_hf, get_family, hf_config_from, load_config
 from jaxmamba.model.loader import checkpoint_param_shapes, load_hf_checkpoint, save_hf_checkpoint
 from jaxmamba.model.moe import route_softmax
 from jaxmamba.model.params import param_shapes
@@ -50,7 +49,7 @@ def hf_config(path) -> dict:
 
 
 def test_config_reads_the_layers_heads_rope_and_moe(moe, dense):
-    cfg = ModelConfig.load(str(moe[0]))
+    cfg = load_config(str(moe[0]))
     assert cfg.layer_types == ("gdn", "moe", "attention", "mlp", "gdn", "moe", "gdn", "moe")
     assert (cfg.gdn_num_key_heads, cfg.gdn_num_value_heads) == (2, 6)
     assert (cfg.gdn_key_head_dim, cfg.gdn_value_head_dim, cfg.conv_kernel) == (24, 40, 4)
@@ -64,7 +63,7 @@ def test_config_reads_the_layers_heads_rope_and_moe(moe, dense):
         True,
     )
     assert (cfg.moe_shared_intermediate_size, cfg.intermediate_size) == (24, 48)
-    d = ModelConfig.load(str(dense[0]))
+    d = load_config(str(dense[0]))
     assert d.layer_types == ("attention", "mlp", "gdn", "mlp") and d.num_experts == 0
     assert d.tie_word_embeddings and d.attention_bias and d.eos_token_ids == (2, 5)
 
@@ -73,17 +72,17 @@ def test_config_round_trips_through_transformers(moe, dense):
     from transformers import Qwen3NextConfig
 
     for path, _ in (moe, dense):
-        cfg = ModelConfig.load(str(path))
-        hf = Qwen3NextConfig(**cfg.to_hf_config())
-        assert ModelConfig.from_hf_config(hf.to_dict()) == dataclasses.replace(cfg, name="")
-    cfg = ModelConfig.load(str(moe[0]))
+        cfg = load_config(str(path))
+        hf = Qwen3NextConfig(**hf_config_from(cfg))
+        assert config_from_hf(hf.to_dict()) == dataclasses.replace(cfg, name="")
+    cfg = load_config(str(moe[0]))
     with pytest.raises(ValueError, match="moe_router"):
-        dataclasses.replace(cfg, moe_router="softmax_topk").to_hf_config()
+        hf_config_from(dataclasses.replace(cfg, moe_router="softmax_topk"))
 
 
 def test_parameter_map_matches_the_model_parameters(moe, dense):
     for path, _ in (moe, dense):
-        cfg = ModelConfig.load(str(path))
+        cfg = load_config(str(path))
         assert checkpoint_param_shapes(cfg, jnp.bfloat16) == param_shapes(cfg, jnp.bfloat16)
 
 
@@ -103,19 +102,19 @@ def test_parameter_map_matches_the_model_parameters(moe, dense):
 def test_unsupported_values_are_refused_naming_the_field(moe, key, value, match):
     config = {**hf_config(moe[0]), key: value}
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_hf_config(config)
+        config_from_hf(config)
 
 
 def test_kimi_linear_is_refused_naming_its_per_channel_decay():
     config = {"model_type": "kimi_linear", "linear_attn_config": {"kda_layers": [1, 2]}}
-    for call in (lambda: get_family("kimi_linear"), lambda: ModelConfig.from_hf_config(config)):
+    for call in (lambda: get_family("kimi_linear"), lambda: config_from_hf(config)):
         with pytest.raises(ValueError, match=r"kimi_linear.*kda_layers.*per key channel"):
             call()
 
 
 def test_in_proj_columns_are_hf_q_k_v_z_b_a_in_head_order(moe):
     path, model = moe
-    cfg = ModelConfig.load(str(path))
+    cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=np.float32)
     gdn = model.model.layers[0].linear_attn
     x = torch.randn(1, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -160,7 +159,7 @@ def test_saved_checkpoint_loads_in_transformers_with_the_same_logits(moe, dense,
     prompt = list(range(3, 40))
     for i, (path, model) in enumerate((moe, dense)):
         params = load_hf_checkpoint(path, dtype=np.float32)
-        save_hf_checkpoint(params, ModelConfig.load(str(path)), tmp_path / f"out{i}")
+        save_hf_checkpoint(params, load_config(str(path)), tmp_path / f"out{i}")
         again = Qwen3NextForCausalLM.from_pretrained(tmp_path / f"out{i}").float().eval()
         assert_logits_close(hf_logits(again, prompt), hf_logits(model, prompt), rel=1e-6)
 
@@ -175,7 +174,7 @@ def test_qwen3_next_80b_a3b_has_its_published_size():
         "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "norm_topk_prob": True,
     }  # fmt: skip
-    cfg = ModelConfig.from_hf_config(config)
+    cfg = config_from_hf(config)
     assert (cfg.num_recurrent_layers, cfg.num_attention_layers, cfg.rope_dim) == (36, 12, 64)
     total = sum(math.prod(s.shape) for s in jax.tree.leaves(checkpoint_param_shapes(cfg)))
     idle = 48 * (512 - 10) * 3 * 2048 * 512

@@ -22,10 +22,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import ModelRunner, jitted_step
 from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from model_helpers import MAX_PAGES, PAGE_SIZE, builder, row
@@ -89,7 +89,7 @@ def computations_per_scope(module_text: str) -> Counter:
 
 @pytest.fixture(scope="module")
 def model_parts():
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     assert len(cfg.mamba_layers) >= 2 and len(cfg.attention_layers) >= 2
     return cfg, init_params(cfg, seed=0)
 

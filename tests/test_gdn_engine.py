@@ -16,9 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import FULL
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from model_helpers import FORBIDDEN, builder, make_runner, primitive_names, row
@@ -33,7 +34,7 @@ ENGINE = dict(max_num_seqs=4, max_model_len=384, max_num_batched_tokens=256, max
 
 @pytest.fixture(scope="module")
 def runner():
-    cfg = ModelConfig.from_preset(PRESET)
+    cfg = config_from_preset(PRESET)
     return make_runner(cfg, init_params(cfg, seed=0))
 
 

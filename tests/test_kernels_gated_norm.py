@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.kernels.gated_norm import (
     GpuBlockSizes,
@@ -23,6 +22,7 @@ from jaxmamba.kernels.gated_norm import (
 )
 from jaxmamba.kernels.gated_norm.gpu import gated_group_rmsnorm_gpu
 from jaxmamba.model import layers
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.layers import GatedGroupRMSNorm
 from jaxmamba.model.params import param_shapes
 
@@ -174,7 +174,7 @@ def test_model_step_with_norm_kernel_matches_reference(monkeypatch):
     """The tiny model's mixed step (decode rows and a prefill) with the norm's kernel
     interpreted, every other op the reference, gives the logits of the reference norm; every
     Mamba layer calls the kernel once. Random parameters and states (no init trace)."""
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     rng = np.random.default_rng(0)
     params = _random_like(param_shapes(cfg), rng, 0.1)
     runners = [make_runner(cfg, params) for _ in range(2)]

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import ModelRunner, step_fn
 from jaxmamba.kernels.matmul import MAX_ROWS, small_m_matmul, small_m_matmul_ref
 from jaxmamba.kernels.matmul.gpu import GpuBlockSizes, small_m_matmul_gpu
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import param_shapes
 
 from model_helpers import builder, make_runner, row
@@ -137,7 +137,7 @@ def test_decode_with_small_m_kernel_matches_xla_dot():
     """The tiny model's decode step with the switch on (kernel in interpret mode, every
     other op the reference) gives the logits and states of the switch off. Parameters and
     cached states are random (no init trace, no prefill: this test stays fast)."""
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     rng = np.random.default_rng(0)
     params = _random_like(param_shapes(cfg), rng, 0.1)
     off = make_runner(cfg, params)

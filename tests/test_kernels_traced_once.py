@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import ModelRunner, jitted_step
 from jaxmamba.kernels.common import pallas_call
 from jaxmamba.model.cache import CacheSpec
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from model_helpers import MAX_PAGES, PAGE_SIZE, builder, row
@@ -41,7 +41,7 @@ def _pallas_calls(jaxpr) -> list:
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_every_layer_calls_one_traced_kernel(platform):
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     spec = CacheSpec(num_slots=8, num_pages=8 * MAX_PAGES, page_size=PAGE_SIZE)
     runner = ModelRunner(cfg, init_params(cfg, seed=0), spec, impl=IMPLS[platform])
     rng = np.random.default_rng(0)

@@ -349,9 +349,9 @@ def test_cli_rejects_bad_sizes_and_bench_offers_no_engine_limits(capsys, argv, m
 
 def test_bench_one_batch_rejects_empty_sizes():
     from jaxmamba.bench import bench_one_batch
-    from jaxmamba.config import ModelConfig
+    from jaxmamba.model.families import config_from_preset
 
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     for field in ("batch", "input_len", "output_len"):
         sizes = {"batch": 1, "input_len": 4, "output_len": 2, field: 0}
         with pytest.raises(ValueError, match=f"{field} must be a positive int, got 0"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from jaxmamba.config import ModelConfig
+from jaxmamba.model.families import config_from_hf, config_from_preset
 from jaxmamba.model.loader import (
     checkpoint_param_shapes,
     load_hf_checkpoint,
@@ -76,7 +76,7 @@ def _assert_matches_state_dict(params, model, *, base="model.", atol=0.0, dtype=
 
 def test_nemotron_h_loads_every_tensor_transposed_like_torch(nemotron):
     path, model = nemotron
-    cfg = ModelConfig.from_hf_config(path)
+    cfg = config_from_hf(path)
     params = load_hf_checkpoint(
         path, cfg, dtype=jnp.float32, expected=checkpoint_param_shapes(cfg, jnp.float32)
     )
@@ -138,7 +138,7 @@ def test_save_then_load_round_trips_and_transformers_reads_the_export(tmp_path, 
     from transformers import NemotronHForCausalLM
 
     path, model = nemotron
-    cfg = ModelConfig.from_hf_config(path)
+    cfg = config_from_hf(path)
     params = load_hf_checkpoint(path, cfg, dtype=jnp.float32)
     save_hf_checkpoint(params, cfg, tmp_path / "export")
     again = load_hf_checkpoint(tmp_path / "export", cfg, dtype=jnp.float32)
@@ -151,7 +151,7 @@ def test_save_then_load_round_trips_and_transformers_reads_the_export(tmp_path, 
 def test_mamba2_export_round_trips(tmp_path, mamba2):
     path, _ = mamba2
     params = load_hf_checkpoint(path, dtype=jnp.bfloat16)
-    cfg = ModelConfig.from_hf_config(path)
+    cfg = config_from_hf(path)
     save_hf_checkpoint(params, cfg, tmp_path / "export")
     again = load_hf_checkpoint(tmp_path / "export", cfg, dtype=jnp.bfloat16)
     _assert_trees_equal(params, again)
@@ -251,7 +251,7 @@ def test_missing_files_and_bad_directories_are_named(tmp_path, ckpt_copy, mamba2
 
 def test_config_and_expected_mismatches_raise(nemotron):
     path, _ = nemotron
-    cfg = ModelConfig.from_hf_config(path)
+    cfg = config_from_hf(path)
 
     with pytest.raises(ValueError, match=r"ModelConfig.ssm_state_size=16 does not match"):
         load_hf_checkpoint(path, dataclasses.replace(cfg, ssm_state_size=16))
@@ -267,7 +267,7 @@ def test_projection_biases_load_and_absent_conv_bias_is_not_required(tmp_path):
     path, model = make_nemotron_h_checkpoint(
         tmp_path / "bias", pattern="M-", use_bias=True, mlp_bias=True, use_conv_bias=False, seed=5
     )
-    cfg = ModelConfig.from_hf_config(path)
+    cfg = config_from_hf(path)
     assert cfg.mamba_proj_bias and cfg.mlp_bias and not cfg.use_conv_bias
     params = load_hf_checkpoint(path, cfg, dtype=jnp.float32)
     mixer = params["layers_0"]["mixer"]
@@ -280,5 +280,5 @@ def test_projection_biases_load_and_absent_conv_bias_is_not_required(tmp_path):
 def test_loader_layout_matches_the_model_parameters(preset):
     from jaxmamba.model.params import param_shapes
 
-    cfg = ModelConfig.from_preset(preset)
+    cfg = config_from_preset(preset)
     assert checkpoint_param_shapes(cfg, jnp.bfloat16) == param_shapes(cfg, jnp.bfloat16)

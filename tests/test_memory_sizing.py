@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
 from jaxmamba.config import list_presets
 from jaxmamba.engine import memory
 from jaxmamba.engine import runner as runner_mod
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.model.cache import CacheSpec, cache_bytes
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 from jaxmamba.model.sampling import init_penalty_state
 
@@ -28,7 +29,7 @@ PRESETS = ["nemotron-h-tiny", "nemotron-nano-9b-v2"] + [
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
 def test_slot_and_page_bytes_equal_the_cache_arrays(preset, dtype, ssm_dtype):
-    cfg = ModelConfig.from_preset(preset)
+    cfg = config_from_preset(preset)
     itemsize = jnp.dtype(dtype).itemsize
     ssm_itemsize = jnp.dtype(ssm_dtype).itemsize
 
@@ -103,7 +104,7 @@ TINY = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32)
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(ModelConfig.from_preset("nemotron-h-tiny"), seed=0)
+    return init_params(config_from_preset("nemotron-h-tiny"), seed=0)
 
 
 def device_bytes(llm) -> int:
@@ -153,7 +154,7 @@ def test_kv_cache_memory_bytes_sizes_the_cache(params):
 def test_bfloat16_state_counts_two_bytes_so_more_slots_fit(params):
     """mamba_ssm_cache_dtype="bfloat16": every recurrent state is bf16 (conv windows keep the
     model dtype), a slot is 2 bytes a state element smaller, and a budget holds more slots."""
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     budget = 2 << 20
     llms = {
         ssm: LLM(
@@ -181,7 +182,7 @@ def test_bfloat16_state_counts_two_bytes_so_more_slots_fit(params):
 
 
 def test_cpu_max_model_len_beyond_host_memory_is_an_error_not_an_oom(params):
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     need = 16 * (10**7 // 16) * memory.page_bytes(cfg, 16, 4)  # default pages, 8 rows x 2
     available = memory.host_available_bytes()
     if available is None or 0.9 * available > need:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from family_checks import assert_logits_close, hf_greedy, hf_logits
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.kernels.mamba_decode import mamba2_decode
 from jaxmamba.model import mamba2
+from jaxmamba.model.families import load_config
 from jaxmamba.model.loader import load_hf_checkpoint
 
 from hf_fixtures import make_nemotron_h_checkpoint
@@ -69,7 +69,7 @@ def _decode(cfg, params, prompts, continuations):
 
 def test_fused_decode_logits_and_states_match_unfused_path_and_hf(checkpoint, fused_decode):
     path, model = checkpoint
-    cfg = ModelConfig.load(str(path))
+    cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=np.float32)
     rng = np.random.default_rng(0)
     prompts = random_prompts(rng, [9, 5], cfg.vocab_size)

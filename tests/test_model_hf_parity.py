@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from family_checks import assert_logits_close, hf_greedy, hf_logits
 
-from jaxmamba import LLM, ModelConfig, SamplingParams
+from jaxmamba import LLM, SamplingParams
+from jaxmamba.model.families import load_config
 from jaxmamba.model.loader import load_hf_checkpoint
 
 from hf_fixtures import make_mamba2_checkpoint, make_nemotron_h_checkpoint
@@ -34,7 +35,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_packed_prefill_logits_match_hf(checkpoint):
     path, model = checkpoint
-    cfg = ModelConfig.load(str(path))
+    cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=np.float32)
     runner = make_runner(cfg, params)
     c = cfg.chunk_size

@@ -9,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.kernels import ColumnView
 from jaxmamba.kernels.conv1d.gpu import causal_conv1d_varlen_gpu
 from jaxmamba.kernels.ssd.gpu import ssd_varlen_gpu
 from jaxmamba.model import mamba2
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from model_helpers import builder, make_runner, random_prompts, row
@@ -70,7 +70,7 @@ def _prefill_then_mixed(cfg, params):
 
 
 def test_prefill_kernels_on_column_views_match_the_reference_path(gpu_prefill_kernels):
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     params = init_params(cfg, seed=0)
     ref_logits, ref_cache = _prefill_then_mixed(cfg, params)
     calls = gpu_prefill_kernels()

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.runner import FULL, GREEDY, PLAIN, fallback_sampler
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from model_helpers import FORBIDDEN, builder, make_runner, primitive_names, row
@@ -18,7 +18,7 @@ from model_helpers import FORBIDDEN, builder, make_runner, primitive_names, row
 
 @pytest.fixture(scope="module")
 def runner():
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     return make_runner(cfg, init_params(cfg, seed=0))
 
 

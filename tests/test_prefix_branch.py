@@ -15,7 +15,8 @@ from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
 from jaxmamba.kernels.conv1d import windows_at
 from jaxmamba.kernels.ssd import ssd_varlen
 from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import MAX_PREFILL_CHECKPOINTS, ForwardMetadata
+from jaxmamba.model.metadata import ForwardMetadata
+from jaxmamba.step_contract import MAX_PREFILL_CHECKPOINTS
 
 from hf_fixtures import make_nemotron_h_checkpoint
 

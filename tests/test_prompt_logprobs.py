@@ -108,8 +108,10 @@ def test_prompt_logprobs_past_the_per_step_cap_are_all_scored(setup, monkeypatch
     the 16-token step budget) the scheduler splits the scoring requests' chunks, the step
     scores exactly its cap, and every prompt position still matches HF."""
     from jaxmamba.engine import runner, scheduler
+    from jaxmamba.model import step
 
     path, model, _ = setup
+    monkeypatch.setattr(step, "MAX_PROMPT_LOGPROB_TOKENS", 6)
     monkeypatch.setattr(runner, "MAX_PROMPT_LOGPROB_TOKENS", 6)
     monkeypatch.setattr(scheduler, "MAX_PROMPT_LOGPROB_TOKENS", 6)
     # Another max_num_seqs: new step shapes, so the steps are traced with the patched cap.

@@ -26,14 +26,13 @@ from transformers.generation.logits_process import (
 
 from jaxmamba import LLM, SamplingParams
 from jaxmamba.model.sampling import (
-    MAX_LOGIT_BIAS,
-    MAX_STOP_IDS,
     Penalties,
     apply_penalties,
     filter_cutoff,
     needs_cutoff,
     sample,
 )
+from jaxmamba.step_contract import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 from hf_fixtures import make_nemotron_h_checkpoint
 from model_helpers import random_prompts

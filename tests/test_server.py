@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -18,7 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxmamba import LLM, SamplingParams
-from jaxmamba.serve.api_server import OpenAIServer, ServerConfig
+from jaxmamba.serve.api_server import ServerConfig
+
+from server_helpers import ServerThread, sse_events
 
 TINY = "nemotron-h-tiny"
 ENGINE = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16)
@@ -30,31 +30,6 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 PROMPTS = ["def main(", "import numpy as np\nx = ", "naïve café ✓ "]
-
-
-class ServerThread:
-    """uvicorn serving `OpenAIServer(llm)` from a thread, on a free port of 127.0.0.1."""
-
-    def __init__(self, llm: LLM, config: ServerConfig):
-        import uvicorn
-
-        self.server = OpenAIServer(llm, config)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, log_level="warning",
-                                                lifespan="on"))  # fmt: skip
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]})
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.uv.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +85,6 @@ def pools(http) -> tuple[float, float]:
     assert http.post("/reset_prefix_cache").status_code == 200
     g = engine_gauges(http)
     return g["jaxmamba_engine_free_slots"], g["jaxmamba_engine_free_pages"]
-
-
-def sse_events(lines) -> list:
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            payload = line[len("data: ") :]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 # -- parity -------------------------------------------------------------------------------------

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
-from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import (
+from jaxmamba.step_contract import (
     MAX_DECODE_CHECKPOINTS,
     MAX_FORKS,
+    MAX_LOGIT_BIAS,
     MAX_PREFILL_CHECKPOINTS,
+    MAX_STOP_IDS,
+    CacheSpec,
     StepInputs,
 )
-from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 SPEC = CacheSpec(num_slots=48, num_pages=400, page_size=4)
 MAX_PAGES, VOCAB, CHUNK = 10, 97, 4

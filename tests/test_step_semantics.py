@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmamba import ModelConfig
 from jaxmamba.engine.batch import Bucket
+from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from model_helpers import builder, make_runner, prefill_logits, random_prompts, row
@@ -17,7 +17,7 @@ ATOL = 2e-5
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig.from_preset("nemotron-h-tiny")
+    cfg = config_from_preset("nemotron-h-tiny")
     return cfg, init_params(cfg, seed=0)
 
 

@@ -225,22 +225,30 @@ if __name__ == "__main__":
     main(sys.argv[1])
 
 
-def test_multihost_leader_takes_the_engines_step_arguments_and_runs_the_full_sampler():
-    """The engine tells its runner which sampler outputs rows read (`top_logprobs`, `ranks`);
-    the several-host leader accepts them and runs the one program its followers have."""
-    from collections import namedtuple
+def test_multihost_leader_sends_each_step_first_and_runs_the_full_sampler(monkeypatch):
+    """The several-host leader sends the bucket and then the inputs to its followers before it
+    dispatches a step, and runs the one program the followers have (the full sampler) even
+    when no row reads what the variants leave out."""
+    from jaxmamba.engine.runner import FULL, GREEDY, PLAIN, StepRunner
+    from jaxmamba.parallel import multihost
+    from jaxmamba.step_contract import CacheSpec, padding
 
-    from jaxmamba.parallel.multihost import LeaderRunner
+    sent, ran = [], []
+    monkeypatch.setattr(multihost, "_broadcast", lambda tree: sent.append(tree) or tree)
 
-    calls = []
+    class Runner(StepRunner):
+        cache_spec = CacheSpec(num_slots=2, num_pages=2, page_size=16)
 
-    class Runner:
-        def step(self, inputs, num_decode, **kwargs):
-            calls.append((num_decode, kwargs))
+        def held_samplers(self, bucket):
+            return (FULL, PLAIN, GREEDY)
+
+        def _run_step(self, inputs, bucket, sampler):
+            ran.append((bucket, sampler))
             return "packed"
 
-    Inputs = namedtuple("Inputs", "input_ids state_slots")
-    inputs = Inputs(np.arange(4, dtype=np.int32), np.arange(2, dtype=np.int32))
-    leader = LeaderRunner(Runner())
-    assert leader.step(inputs, 2, top_logprobs=False, ranks=False) == "packed"
-    assert calls == [(2, {})]
+    inputs = padding(2, 2, 1, Runner.cache_spec)  # a pure decode bucket of greedy rows
+    leader = multihost.lead(Runner())
+    out = leader.step(inputs, 2, top_logprobs=False, ranks=False)
+    assert out.packed == "packed" and out.prompt_scores is None
+    assert ran == [((2, 2, 2), FULL)]
+    assert sent[0].tolist() == [1, 2, 2, 2] and sent[1] is inputs

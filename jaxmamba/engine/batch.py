@@ -12,14 +12,17 @@ from operator import attrgetter
 
 import numpy as np
 
-from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import (
+from jaxmamba.step_contract import (
     MAX_DECODE_CHECKPOINTS,
     MAX_FORKS,
+    MAX_LOGIT_BIAS,
     MAX_PREFILL_CHECKPOINTS,
+    MAX_STOP_IDS,
+    ROW_FIELDS,
+    CacheSpec,
     StepInputs,
+    padding,
 )
-from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 
 @dataclass
@@ -97,18 +100,11 @@ def smallest_fitting(sizes: list[int], n: int, what: str) -> int:
 _TOKENS = attrgetter("tokens")
 _SLOTS = attrgetter("state_slot", "init_slot")
 _SEED = attrgetter("seed")
-# A row's scalar fields read in one pass, and the StepInputs array each fills (None: used
-# by the builder only).
-_SCALARS = attrgetter(
-    "prefix_len", "state_slot", "fork", "token_from_device", "temperature", "top_p", "top_k",
-    "sample_counter", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-)  # fmt: skip
-_SCALAR_INPUTS = (
-    "prefix_lens", "state_slots", None, "tokens_from_device", "temperature", "top_p", "top_k",
-    "sample_counters", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-)  # fmt: skip
-_FROM_DEVICE = 3
-_NUM_SCALARS = len(_SCALAR_INPUTS)
+# A row's scalar fields, read in one pass: the step inputs set from one row attribute each
+# (`step_contract.ROW_FIELDS`), and what the builder alone reads, by column name.
+_COLUMNS = (*ROW_FIELDS, "fork")
+_SCALARS = attrgetter(*ROW_FIELDS.values(), "fork")
+_COLUMN = {name: k for k, name in enumerate(_COLUMNS)}
 
 
 def _is_rare(row: RowSpec) -> bool:
@@ -131,14 +127,18 @@ class _Columns:
         try:
             self.tokens = np.fromiter(chain.from_iterable(token_lists), np.int64,
                                       int(self.lens.sum()))  # fmt: skip
-            self.values = np.array(list(map(_SCALARS, rows)), np.float64).reshape(n, _NUM_SCALARS)
+            self.values = np.array(list(map(_SCALARS, rows)), np.float64).reshape(n, len(_COLUMNS))
         except (OverflowError, TypeError, ValueError):  # the checks name the bad field
             self.tokens = np.zeros(int(self.lens.sum()), np.int64)
             self.values = None
             return
-        self.prefix = self.values[:, 0].astype(np.int64)
-        self.slots = self.values[:, 1].astype(np.int64)
-        self.forked = self.values[:, 2].astype(bool)
+        self.prefix = self["prefix_lens"].astype(np.int64)
+        self.slots = self["state_slots"].astype(np.int64)
+        self.forked = self["fork"].astype(bool)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """The column of a scalar field (a step input's name, or "fork")."""
+        return self.values[:, _COLUMN[name]]
 
 
 def _fill_ragged(out: np.ndarray, lists: list) -> None:
@@ -186,20 +186,7 @@ class StepBuilder:
         """The bucket's arrays as padding rows have them (made once per bucket; copied)."""
         out = self._templates.get(bucket)
         if out is None:
-            T, B = bucket.num_tokens, bucket.num_rows
-            pad_slot, pad_page = self.spec.pad_slot, self.spec.pad_page
-            i32 = lambda shape, fill: np.full(shape, fill, np.int32)  # noqa: E731
-            f32 = lambda shape, fill: np.full(shape, fill, np.float32)  # noqa: E731
-            out = StepInputs(
-                i32(T, 0), np.zeros(B, bool), i32(B + 1, 0), i32(B, 0), i32(B, pad_slot),
-                i32(B, pad_slot), np.zeros(B, bool), i32((B, MAX_PREFILL_CHECKPOINTS), pad_slot),
-                i32((B, MAX_PREFILL_CHECKPOINTS), 0), i32((B, self.max_pages_per_seq), pad_page),
-                f32(B, 0.0), f32(B, 1.0), i32(B, 0), np.zeros(B, np.uint32), i32(B, 0),
-                f32(B, 0.0), i32(B, 0), i32((B, MAX_STOP_IDS), -1), i32((B, MAX_LOGIT_BIAS), -1),
-                f32((B, MAX_LOGIT_BIAS), 0.0), f32(B, 0.0), f32(B, 0.0), f32(B, 1.0),
-                np.zeros(B, bool), i32(T, -1), i32(MAX_FORKS, pad_slot),
-                i32(MAX_FORKS, pad_slot), i32(MAX_FORKS, pad_page), i32(MAX_FORKS, pad_page),
-            )  # fmt: skip
+            out = padding(bucket.num_tokens, bucket.num_rows, self.max_pages_per_seq, self.spec)
             self._templates[bucket] = out
         return out
 
@@ -216,10 +203,8 @@ class StepBuilder:
         x.input_ids[:total] = cols.tokens
         x.query_start_loc[: n + 1] = offsets
         x.query_start_loc[n + 1 :] = total
-        v = cols.values
-        for k, name in enumerate(_SCALAR_INPUTS):
-            if name is not None:
-                getattr(x, name)[:n] = v[:, k]
+        for name in ROW_FIELDS:
+            getattr(x, name)[:n] = cols[name]
         slots, prefix, forked = cols.slots, cols.prefix, cols.forked
         init = np.fromiter((slot if init is None else init
                             for slot, init in map(_SLOTS, rows)), np.int64, n)  # fmt: skip
@@ -301,7 +286,7 @@ class StepBuilder:
         bad = (
             (lens == 0) & ~cols.forked
             | decode & (lens != 1)
-            | cols.values[:, _FROM_DEVICE].astype(bool) & ~decode
+            | cols["tokens_from_device"].astype(bool) & ~decode
             | (need > self.max_pages_per_seq)
             | (num_pages < need)
         )

@@ -1,10 +1,13 @@
-"""The engine's settings: batch limits, pool sizes, prefix caching, checkpoint spacing, the
-recurrent state's dtype."""
+"""The settings `LLM(...)` and every command take: `EngineConfig` (batch limits, pool sizes,
+prefix caching, checkpoint spacing, the recurrent state's dtype) and `RunConfig` (dtype, seed,
+kernels, compilation). Each field holds its default and help text once; the CLI's flags are
+generated from them (`jaxmamba.cli_args`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxmamba.engine.memory import default_sizes
@@ -24,48 +27,86 @@ def ssm_cache_dtype(setting: str) -> str:
     return MAMBA_SSM_CACHE_DTYPES[setting]
 
 
+def setting(default, help: str, *, choices: Sequence[str] | None = None, positive=False):
+    """A settings field: its default, its flag's help text, the values the flag offers, and
+    whether it must be a positive int (None allowed where that is the default)."""
+    metadata = {"help": help, "positive": positive}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 8
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 512
-    max_prefill_seqs: int = 8  # prefill rows per step
-    page_size: int = 16
-    enable_prefix_caching: bool = True
-    # Decode checkpoints every this many tokens, a multiple of lcm(chunk_size, page_size);
-    # default (None): the first such multiple >= 256, see `for_chunk_size`.
-    track_interval: int | None = None
-    # Explicit pool sizes; by default sized from device memory (jaxmamba/engine/memory.py), or
-    # on CPU max_num_seqs slots and every row at max_model_len, twice both with caching.
-    # Slots beyond max_num_seqs are the prefix cache's checkpoint slots.
-    num_state_slots: int | None = None
-    num_pages: int | None = None
-    gpu_memory_utilization: float = 0.9  # of the device's memory for weights, steps and cache
-    kv_cache_memory_bytes: int | None = None  # the cache's size in bytes, instead of the above
-    # Devices the model is split over (jaxmamba.parallel, docs/tensor_parallel.md); the cache
-    # sizes above are then per shard's share of every slot and page.
-    tensor_parallel_size: int = 1
-    mamba_ssm_cache_dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "dtype of every recurrent layer's state (Mamba2 SSM and Gated DeltaNet "
-            "states; conv windows keep the model dtype): bfloat16 halves the state's bytes, so "
-            "more state slots fit; auto is float32 here (vLLM's auto follows the model dtype), "
-            "since the state accumulates over the whole sequence"
-        },
+    """The engine's settings: batch limits, the cache's pools, prefix caching, the state's
+    dtype; an exported artifact fixes all but the memory ones and tensor_parallel_size."""
+
+    max_num_seqs: int = setting(8, "sequences running at once (decode rows)", positive=True)
+    max_model_len: int = setting(
+        2048, "the most tokens of one sequence, prompt and output", positive=True
+    )
+    max_num_batched_tokens: int = setting(
+        512, "the most tokens of one step (prefill chunk + decode rows)", positive=True
+    )
+    max_prefill_seqs: int = setting(8, "prefill rows per step", positive=True)
+    page_size: int = setting(16, "tokens per KV page of the attention layers", positive=True)
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse the states and KV pages of prompt prefixes seen before (docs/prefix_cache.md)",
+    )
+    track_interval: int | None = setting(
+        None,
+        "store a decode checkpoint every this many tokens, a multiple of lcm(chunk_size, "
+        "page_size) (default: the first such multiple >= 256)",
+        positive=True,
+    )
+    num_state_slots: int | None = setting(
+        None,
+        "state slots: max_num_seqs running rows, the rest the prefix cache's checkpoints "
+        "(default: sized from device memory, jaxmamba/engine/memory.py; on CPU max_num_seqs, "
+        "twice that with prefix caching)",
+        positive=True,
+    )
+    num_pages: int | None = setting(
+        None,
+        "KV pages (default: sized from device memory; on CPU every row at max_model_len, "
+        "twice that with prefix caching)",
+        positive=True,
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "fraction of the device's memory for weights, step temporaries and the cache, which "
+        "gets the rest (GPU/TPU; on CPU the cache's sizes are checked against it x the host's "
+        "available memory)",
+    )
+    kv_cache_memory_bytes: int | None = setting(
+        None,
+        "the cache's size in bytes (state slots and KV pages), instead of sizing it from "
+        "gpu_memory_utilization",
+        positive=True,
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "split the model over this many devices (docs/tensor_parallel.md); the cache sizes "
+        "are then per shard's share of every slot and page",
+        positive=True,
+    )
+    mamba_ssm_cache_dtype: str = setting(
+        "float32",
+        "dtype of every recurrent layer's state (Mamba2 SSM and Gated DeltaNet states; conv "
+        "windows keep the model dtype): bfloat16 halves the state's bytes, so more state slots "
+        "fit; auto is float32 here (vLLM's auto follows the model dtype), since the state "
+        "accumulates over the whole sequence",
+        choices=MAMBA_SSM_CACHE_DTYPES,
     )
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                     "max_prefill_seqs", "page_size", "track_interval",
-                     "num_state_slots", "num_pages", "kv_cache_memory_bytes",
-                     "tensor_parallel_size"):  # fmt: skip
-            value = getattr(self, name)
-            if value is None and name in ("track_interval", "num_state_slots", "num_pages",
-                                          "kv_cache_memory_bytes"):  # fmt: skip
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["positive"] or (value is None and f.default is None):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"EngineConfig.{f.name} must be a positive int, got {value!r}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
@@ -110,3 +151,38 @@ class EngineConfig:
         return default_sizes(self.max_num_seqs, self.max_pages_per_seq, self.enable_prefix_caching)[
             1
         ]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How `LLM` loads and runs the model; checked where it is used (`resolve_dtype`, the
+    kernel dispatcher)."""
+
+    dtype: str = setting(
+        "auto",
+        "compute dtype; auto: the checkpoint's torch_dtype (float16 runs in bfloat16), "
+        "float32 for random-weight presets",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    seed: int = setting(
+        0, "seed of a preset's random weights and of requests that bring no seed of their own"
+    )
+    impl: str = setting(
+        "auto",
+        "kernels: auto, the platform's Pallas kernels where it has them; ref, the pure-JAX "
+        "references; pallas, the kernels",
+        choices=("auto", "ref", "pallas"),
+    )
+    precompile: bool = setting(
+        False, "compile every step bucket at start-up, so nothing compiles under load"
+    )
+    compilation_cache: bool = setting(
+        True,
+        "JAX's persistent compilation cache: a second start-up loads the compiled steps from "
+        "it; off: compile every step afresh, writing nothing",
+    )
+    compilation_cache_dir: str | None = setting(
+        None,
+        "the compilation cache's folder (default: $JAXMAMBA_COMPILATION_CACHE_DIR or "
+        "~/.cache/jaxmamba/xla)",
+    )

@@ -231,8 +231,7 @@ class LLMEngine:
                 sys.stderr.flush()
 
         self.runner.precompile(buckets, self.builder.padding, progress)
-        programs = getattr(self.runner, "programs", None)
-        return len(buckets) if programs is None else len(programs(buckets))
+        return len(self.runner.programs(buckets))
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS
+from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -7,8 +7,8 @@ static shape of a step is its bucket `(num_tokens, num_rows, num_decode)`; each 
 compiles once, and each decode bucket twice more as its sampler variants: `PLAIN`, the
 sampler without the sort for top-k/top-p/min-p and without the top logprobs, and `GREEDY`, the
 argmax alone (no random draw, penalties or ranks), which the host chooses when no row of the
-step needs what they leave out (`ModelRunner.sampler_variant`; a device branch instead cost
-~5 ms a step, docs/benchmarks.md). Each gives the tokens, logprobs and ranks the full program
+step needs what they leave out (`ModelRunner.sampler_variant`; the step itself has no device
+branch, `tests/test_no_host_sync.py`). Each gives the tokens, logprobs and ranks the full program
 gives for the rows it runs. `JAXMAMBA_SAMPLER_VARIANTS=0` turns the variants off (one program
 a bucket).
 
@@ -16,9 +16,9 @@ Two rare kinds of work run as programs of their own, dispatched after a step onl
 of its rows asks (`ModelRunner.step` decides from the host inputs; one program each, whatever
 the bucket): `score_fn`, the prompt_logprobs of the prefill tokens that ask for them, from
 their hidden states the step leaves in `SlotState.prompt_hidden`; and `fork_fn`, the copies of
-a prompt's end state into its other samples' slots (n > 1). Inside every step they cost a
-prefill of 2,048 tokens on the 9B model ~1.6 ms (the top logprobs of 128 rows, and the state
-copies of 4 padded forks in each of 27 layers; H200, docs/benchmarks.md).
+a prompt's end state into its other samples' slots (n > 1). Inside every step they would cost
+every prefill the top logprobs of its scored block and the state copies of its padded fork
+entries, whether a row asked or not.
 """
 
 from __future__ import annotations
@@ -26,55 +26,39 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.cache import CacheSpec, StateCache, cache_shapes, init_cache
-from jaxmamba.model.metadata import (
-    MAX_PROMPT_LOGPROB_TOKENS,
-    ForwardMetadata,
-    PackedStepInputs,
-    StepInputs,
+from jaxmamba.model.cache import StateCache, cache_shapes, init_cache
+from jaxmamba.model.metadata import PackedStepInputs
+from jaxmamba.model.sampling import needs_cutoff
+from jaxmamba.model.step import (
+    FULL,
+    GREEDY,
+    PLAIN,
+    TRACE_COUNTS,
+    fork_fn,
+    init_slot_state,
+    jitted_fork,
+    jitted_logits,
+    jitted_score,
+    jitted_step,
+    logits_fn,
+    score_fn,
+    step_fn,
 )
-from jaxmamba.model.sampling import (
-    MAX_LOGPROBS,
-    Penalties,
-    PenaltyState,
-    SampleOutput,
-    init_penalty_state,
-    needs_cutoff,
-    prompt_logprobs,
-    record_tokens,
-    sample,
-)
+from jaxmamba.step_contract import MAX_LOGPROBS, MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
 
-if TYPE_CHECKING:  # the model is imported where a runner is built: serving an exported
-    # artifact (jaxmamba.export) runs the engine without importing the model code
-    from jaxmamba.model.model import Mamba2HybridLM
-
-
-class SlotState(NamedTuple):
-    """What the sampler keeps per state slot between steps, on device, and the hidden states
-    the last step with prefill rows leaves for `score_fn`."""
-
-    last_tokens: jax.Array  # i32[S+1] the slot's last sampled token (fed to its next decode)
-    penalties: PenaltyState  # prompt tokens and output counts, [S+1, V]
-    # [MAX_PROMPT_LOGPROB_TOKENS, E] model dtype: at the prefill tokens that ask for
-    # prompt_logprobs (`prompt_tokens_to_score`), in step order; padding repeats a position
-    prompt_hidden: jax.Array
-
-
-def init_slot_state(cfg: ModelConfig, spec: CacheSpec, dtype) -> SlotState:
-    """A runner's first `SlotState` (under `jax.eval_shape`: its shapes)."""
-    return SlotState(
-        jnp.zeros(spec.num_slots + 1, jnp.int32),
-        init_penalty_state(spec.num_slots, cfg.vocab_size),
-        jnp.zeros((MAX_PROMPT_LOGPROB_TOKENS, cfg.hidden_size), dtype),
-    )
+__all__ = [
+    "FULL", "GREEDY", "PLAIN", "TRACE_COUNTS", "ModelRunner", "StepOutput", "StepRunner",
+    "fork_fn", "jitted_step", "logits_fn", "score_fn", "step_fn", "step_temporary_bytes",
+]  # fmt: skip
 
 
 class StepOutput(NamedTuple):
@@ -84,15 +68,6 @@ class StepOutput(NamedTuple):
 
     packed: jax.Array  # i32[B, 3 + 2 * MAX_LOGPROBS]
     prompt_scores: jax.Array | None = None  # i32[MAX_PROMPT_LOGPROB_TOKENS, 3 + 2 * MAX_LOGPROBS]
-
-
-def pack_sample_output(out: SampleOutput) -> jax.Array:
-    """One `i32[B, 3 + 2 * MAX_LOGPROBS]` array per step (the one device→host transfer): the
-    sampled token, its logprob, its rank, the top token ids and their logprobs; the float
-    logprobs are bit-cast to int32, the ids are stored as they are."""
-    as_i32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
-    columns = [out.tokens[:, None], as_i32(out.logprobs)[:, None], out.ranks[:, None]]
-    return jnp.concatenate([*columns, out.top_ids, as_i32(out.top_logprobs)], axis=-1)
 
 
 class HostSample(NamedTuple):
@@ -112,41 +87,6 @@ def unpack_sample_output(packed: np.ndarray) -> HostSample:
 
 def _as_is(inputs):
     return inputs
-
-
-def build_metadata(model: Mamba2HybridLM, spec: CacheSpec, inputs: StepInputs, num_decode: int):
-    return ForwardMetadata.build(
-        inputs,
-        num_decode=num_decode,
-        chunk_size=model.cfg.chunk_size,
-        page_size=spec.page_size,
-        pad_page=spec.pad_page,
-        pad_slot=spec.pad_slot,
-    )
-
-
-def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> jax.Array:
-    if num_decode == 0:
-        return inputs.input_ids
-    decode_ids = jnp.where(
-        inputs.tokens_from_device[:num_decode],
-        last_tokens[inputs.state_slots[:num_decode]],
-        inputs.input_ids[:num_decode],
-    )
-    return inputs.input_ids.at[:num_decode].set(decode_ids)
-
-
-# Traces (= compilations) of the jitted step per (model, cache spec) in this process.
-TRACE_COUNTS: Counter = Counter()
-
-# The sampler variants of a step (its static `sampler` argument): FULL samples any mix of
-# parameters and returns the top logprobs; PLAIN has neither the cut-off's sort nor the top
-# logprobs (zeros), for a decode step where no row filters or asks for them; GREEDY is the
-# argmax of the biased logits and the token's logprob, for a decode step of greedy rows
-# without penalties where no row asks for logprobs (ranks and top logprobs are zeros) — vLLM's
-# all-greedy path. On the 9B model PLAIN's draw, penalties and ranks cost 0.07 ms a decode step
-# at batch 1 and 32, 0.29 at 128 and 0.45 at 256 (docs/benchmarks.md, issue 17).
-FULL, PLAIN, GREEDY = "full", "plain", "greedy"
 
 
 def variants_enabled() -> bool:
@@ -205,64 +145,10 @@ def fallback_sampler(sampler: str, held) -> str:
     return FULL
 
 
-def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
-            num_decode, sampler: str = FULL):  # fmt: skip
-    """One engine step: forward, sample at each row's last token, remember the samples.
-
-    The packed output has a row per step row. A bucket with prefill rows also keeps the
-    hidden states of the prefill tokens that ask for prompt_logprobs (`SlotState.
-    prompt_hidden`, for `score_fn`); forks' state copies are `fork_fn`'s."""
-    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
-    if isinstance(inputs, PackedStepInputs):
-        inputs = inputs.unpack()
-    meta = build_metadata(model, spec, inputs, num_decode)
-    input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
-    hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
-    num_rows = inputs.state_slots.shape[0]
-    prompt_hidden = slot_state.prompt_hidden
-    if inputs.prompt_logprob_targets is not None and num_rows > num_decode:
-        positions = prompt_tokens_to_score(inputs.prompt_logprob_targets, num_decode)
-        prompt_hidden = hidden[positions].astype(prompt_hidden.dtype)
-    logits = model.apply({"params": params}, hidden[meta.last_token_index], method="logits")
-    slots = inputs.state_slots
-    seen = record_tokens(
-        slot_state.penalties, input_ids, meta.token_rows, meta.token_valid, slots,
-        inputs.penalty_reset, num_decode=num_decode, pad_slot=spec.pad_slot,
-    )  # fmt: skip
-    if num_rows > num_decode and inputs.fork_src_slots is not None:
-        # n > 1: the forked samples see the prompt as their own from this step on
-        src, dst = inputs.fork_src_slots, inputs.fork_dst_slots
-        seen = PenaltyState(
-            seen.prompt_mask.at[dst].set(seen.prompt_mask[src]),
-            seen.output_counts.at[dst].set(seen.output_counts[src]),
-        )
-    penalties = None
-    if sampler != GREEDY:  # the [B, V] gathers: GREEDY steps have no penalised row
-        penalties = Penalties(
-            seen.prompt_mask[slots], seen.output_counts[slots], inputs.presence_penalty,
-            inputs.frequency_penalty, inputs.repetition_penalty,
-        )  # fmt: skip
-    out = sample(
-        logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
-        inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
-        inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
-        cutoff=sampler == FULL, top_logprobs=sampler == FULL, draw=sampler != GREEDY,
-        ranks=sampler != GREEDY,
-    )  # fmt: skip
-    last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
-    return pack_sample_output(out), cache, SlotState(last_tokens, seen, prompt_hidden)
-
-
-def prompt_tokens_to_score(
-    targets: jax.Array,  # i32[T] next prompt token where prompt_logprobs is asked, else -1
-    num_decode: int,
-) -> jax.Array:
-    """i32[MAX_PROMPT_LOGPROB_TOKENS]: the step positions of the prefill tokens that ask for
-    prompt_logprobs, in order (the scheduler keeps their count within the width); padding
-    repeats the first prefill position. `asked_targets` lists the same tokens' targets."""
-    (index,) = jnp.nonzero(targets[num_decode:] >= 0, size=MAX_PROMPT_LOGPROB_TOKENS,
-                           fill_value=0)  # fmt: skip
-    return num_decode + index
+def step_bucket(inputs: StepInputs, num_decode: int) -> tuple[int, int, int]:
+    """The bucket `(num_tokens, num_rows, num_decode)` of a step's inputs."""
+    return (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
+            int(num_decode))  # fmt: skip
 
 
 def asked_targets(targets: np.ndarray, num_decode: int) -> np.ndarray | None:
@@ -288,32 +174,6 @@ def padding_targets() -> np.ndarray:
     return np.full(MAX_PROMPT_LOGPROB_TOKENS, -1, np.int32)
 
 
-def score_fn(params, prompt_hidden: jax.Array, targets: jax.Array, *, model, spec) -> jax.Array:
-    """vLLM's prompt logprobs of the tokens a step kept (`SlotState.prompt_hidden`), packed as
-    the samples are: `i32[W, 3 + 2 * MAX_LOGPROBS]`, per token its target (the next prompt
-    token; -1 for padding), its logprob and rank, and the top ids and logprobs."""
-    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
-    logits = model.apply({"params": params}, prompt_hidden, method="logits")
-    p = prompt_logprobs(logits, targets)
-    return pack_sample_output(SampleOutput(targets, p.logprobs, p.ranks, p.top_ids,
-                                           p.top_logprobs))  # fmt: skip
-
-
-def fork_fn(cache: StateCache, src_slots, dst_slots, src_pages, dst_pages, *, model=None,
-            spec=None) -> StateCache:  # fmt: skip
-    """n > 1: copy a prompt's end state into its other samples' slots, and its partial last
-    KV page into theirs, after the step that ends the prompt (unused entries: the pad slot
-    and page onto themselves). `model` and `spec` only count its compilations."""
-    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
-    copy = lambda pool, src, dst: pool.at[dst].set(pool[src])  # noqa: E731
-    return StateCache(
-        tuple(copy(c, src_slots, dst_slots) for c in cache.conv),
-        tuple(copy(c, src_slots, dst_slots) for c in cache.ssm),
-        tuple(copy(k, src_pages, dst_pages) for k in cache.k_pages),
-        tuple(copy(v, src_pages, dst_pages) for v in cache.v_pages),
-    )
-
-
 def fork_inputs(inputs: StepInputs) -> tuple:
     """`fork_fn`'s arguments after the cache, from a step's inputs."""
     return (inputs.fork_src_slots, inputs.fork_dst_slots, inputs.fork_src_pages,
@@ -335,27 +195,126 @@ def unpack_step_output(out: StepOutput) -> tuple[HostSample, HostSample | None]:
     return unpack_sample_output(out.packed), scored
 
 
-def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
-    TRACE_COUNTS[(model, spec)] += 1
-    meta = build_metadata(model, spec, inputs, num_decode)
-    return model.apply({"params": params}, inputs.input_ids, cache, meta, method="forward_logits")
+class StepRunner:
+    """What the engine drives, whatever runs the step (`ModelRunner`: the model's live jit;
+    `jaxmamba.export.serving.ArtifactRunner`: an artifact's exported steps): `step`,
+    `precompile`, `programs`, the side programs, and the choice of sampler program. A
+    subclass says how one program is held, compiled and dispatched (`held_samplers`,
+    `_compile`, `_run_step`, `_run_fork`, `_run_score`), and sets `cfg`, `cache_spec`,
+    `dtype`, `cache` and `slot_state`."""
+
+    cfg: ModelConfig
+    cache_spec: CacheSpec
+    cache: object
+    slot_state: object
+    # Whether decode steps may run the PLAIN and GREEDY sampler programs.
+    sampler_variants: bool = True
+    # Called with each step's host inputs and `num_decode` before it is dispatched, and
+    # returns the inputs to run: the several-host leader sends them to its followers
+    # (`jaxmamba.parallel.multihost`). None: nothing is sent.
+    send_step: Callable | None = None
+
+    def __init__(self):
+        self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
+
+    # -- what a subclass provides -------------------------------------------------------------
+    def held_samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
+        """The sampler programs this runner has for a bucket `(num_tokens, num_rows,
+        num_decode)`, with the variants on."""
+        raise NotImplementedError
+
+    def _compile(self, program: tuple, inputs: StepInputs) -> None:
+        """Compile the step program `(bucket, sampler)` for a bucket's host `inputs`."""
+        raise NotImplementedError
+
+    def _run_step(self, inputs: PackedStepInputs, bucket: tuple[int, int, int], sampler: str):
+        """Dispatch the step of `bucket` `(num_tokens, num_rows, num_decode)` on its packed
+        host inputs; returns the packed samples and sets `cache` and `slot_state`."""
+        raise NotImplementedError
+
+    def _run_fork(self, forks: tuple) -> None:
+        """Dispatch `fork_fn` on `forks` (`fork_inputs`), replacing `cache`."""
+        raise NotImplementedError
+
+    def _run_score(self, targets: np.ndarray):
+        """Dispatch `score_fn` on `targets` (`asked_targets`); returns its packed rows."""
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------------
+    def samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
+        """The sampler programs `step` runs for a bucket (the full one alone with the variants
+        off)."""
+        return self.held_samplers(bucket) if self.sampler_variants else (FULL,)
+
+    def programs(self, buckets) -> list[tuple]:
+        """`(bucket, sampler)` of every program `step` can run for these buckets."""
+        return [(b, sampler) for sampler in (FULL, PLAIN, GREEDY) for b in buckets
+                if sampler in self.samplers((b.num_tokens, b.num_rows, b.num_decode))]  # fmt: skip
+
+    def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool, *,
+                        ranks: bool = True) -> str:  # fmt: skip
+        """The sampler program `step` runs for these inputs: the cheapest that serves them
+        (`choose_sampler`), or the next dearer one this runner holds (`fallback_sampler`)."""
+        if not self.sampler_variants:
+            return FULL
+        sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
+                                 ranks=ranks)  # fmt: skip
+        return fallback_sampler(sampler, self.samplers(step_bucket(inputs, num_decode)))
+
+    def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True,
+             ranks: bool = True) -> StepOutput:  # fmt: skip
+        """Dispatch one step, and after it `fork_fn` and `score_fn` where some row needs them
+        (`asked_forks`, `asked_targets`); returns the device outputs without waiting for them.
+        `top_logprobs=False`: no row reads the top logprobs, `ranks=False`: no row reads the
+        ranks (no row asks for logprobs); what no row reads may come back as zeros, which lets
+        a decode step run a sampler variant. The inputs go in as one host buffer
+        (`PackedStepInputs`), which the step's C++ dispatch moves in one copy."""
+        if self.send_step is not None:
+            inputs = self.send_step(inputs, num_decode)
+        sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
+        forks = asked_forks(inputs, num_decode, self.cache_spec.pad_slot)
+        targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
+        bucket = step_bucket(inputs, num_decode)
+        with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
+            packed = self._run_step(PackedStepInputs.pack(inputs), bucket, sampler)
+        self.variant_steps[sampler] += 1
+        return StepOutput(packed, self._side_programs(forks, targets))
+
+    def _side_programs(self, forks: tuple | None, targets: np.ndarray | None):
+        """`fork_fn` on `forks` (`fork_inputs`; None: no fork), then `score_fn` on `targets`
+        (`asked_targets`; None: no score); returns the scores (or None)."""
+        with jax.transfer_guard_host_to_device("allow"):  # their inputs, and only they
+            if forks is not None:
+                self._run_fork(forks)
+            return None if targets is None else self._run_score(targets)
+
+    def run_side_programs(self, padding: StepInputs) -> None:
+        """Compile and run once `fork_fn` and `score_fn` (what a step with forks or
+        prompt_logprobs adds), on a bucket's padding: pad slots onto themselves, no target."""
+        jax.block_until_ready(self._side_programs(fork_inputs(padding), padding_targets()))
+
+    def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:
+        """Compile every program of these buckets (`programs`), then run each once on padding
+        only, and the side programs once. The programs compile in `workers` threads (default:
+        one per core, at most 8): XLA's compiles release the GIL, so they overlap (tracing
+        does not)."""
+        programs = self.programs(buckets)
+        inputs = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
+        workers = workers or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for i, _ in enumerate(pool.map(self._compile, programs, inputs)):
+                if progress is not None:
+                    progress(i + 1, len(programs), programs[i][0])
+        for (bucket, sampler), x in zip(programs, inputs, strict=True):
+            jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
+        prefill = [b for b in buckets if b.num_rows > b.num_decode]
+        if prefill:
+            self.run_side_programs(build_inputs(prefill[0]))
 
 
-# Module-level jits with the model and cache spec static: every runner of the same model
-# and cache shape (several `LLM`s, tests) shares one compiled executable per bucket.
-jitted_step = jax.jit(
-    step_fn,
-    static_argnames=("model", "spec", "num_decode", "sampler"),
-    donate_argnames=("cache", "slot_state"),
-)
-jitted_logits = jax.jit(
-    logits_fn, static_argnames=("model", "spec", "num_decode"), donate_argnames=("cache",)
-)
-jitted_score = jax.jit(score_fn, static_argnames=("model", "spec"))
-jitted_fork = jax.jit(fork_fn, static_argnames=("model", "spec"), donate_argnames=("cache",))
+class ModelRunner(StepRunner):
+    """Runs the model's steps as live jits (one device, or sharded over a mesh)."""
 
-
-class ModelRunner:
     def __init__(
         self,
         cfg: ModelConfig,
@@ -373,14 +332,14 @@ class ModelRunner:
         whole model's, as loaded."""
         from jaxmamba.model.model import Mamba2HybridLM
 
+        super().__init__()
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
         self.tensor_parallel_size = tensor_parallel_size
         slot_state = init_slot_state(cfg, cache_spec, self.dtype)
-        # One device: the host arrays go to the jitted step as they are, and its C++ dispatch
-        # moves them (~2.5 ms a step less than 29 Python `device_put`s on CPU, where the
-        # host's dispatch is what bounds the H200's offline throughput, docs/benchmarks.md).
+        # One device: the host arrays go to the jitted step as they are; its C++ dispatch moves
+        # them, cheaper than a Python `device_put` per array (`scripts/bench_host_loop.py`).
         self._put_inputs = _as_is
         if tensor_parallel_size == 1 and mesh is None:
             self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
@@ -407,12 +366,15 @@ class ModelRunner:
         self.slot_state = slot_state
         # The sampler variants of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
-        self.variant_steps: Counter = Counter()  # steps dispatched per sampler variant
 
     @property
     def num_compiles(self) -> int:
         """Compilations of this model+cache shape in this process (shared between runners)."""
         return TRACE_COUNTS[(self.model, self.cache_spec)]
+
+    def held_samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
+        _, num_rows, num_decode = bucket
+        return bucket_samplers(num_rows, num_decode)
 
     def _step_fn(self, params, cache, slot_state, inputs, *, num_decode, sampler=FULL):
         """The step body, unjitted (for jaxpr inspection)."""
@@ -428,44 +390,20 @@ class ModelRunner:
             )  # fmt: skip
         return logits
 
-    def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool, *,
-                        ranks: bool = True) -> str:  # fmt: skip
-        """The sampler program `step` runs for these inputs (`choose_sampler`)."""
-        if not self.sampler_variants:
-            return FULL
-        return choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
-                              ranks=ranks)  # fmt: skip
-
-    def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True,
-             ranks: bool = True) -> StepOutput:  # fmt: skip
-        """Dispatch one step, and after it `fork_fn` and `score_fn` where some row needs them
-        (`asked_forks`, `asked_targets`); returns the device outputs without waiting for them.
-        `top_logprobs=False`: no row reads the top logprobs, `ranks=False`: no row reads the
-        ranks (no row asks for logprobs); what no row reads may come back as zeros, which lets
-        a decode step run a sampler variant."""
-        sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
-        self.variant_steps[sampler] += 1
+    def _run_step(self, inputs: PackedStepInputs, bucket: tuple[int, int, int], sampler: str):
         kwargs = {} if sampler == FULL else {"sampler": sampler}
-        forks = asked_forks(inputs, num_decode, self.cache_spec.pad_slot)
-        targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
-        with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
-            packed, self.cache, self.slot_state = self._jit_step(
-                self.params, self.cache, self.slot_state,
-                self._put_inputs(PackedStepInputs.pack(inputs)), num_decode=num_decode,
-                **kwargs, **self._static,
-            )  # fmt: skip
-        return StepOutput(packed, self._side_programs(forks, targets))
+        packed, self.cache, self.slot_state = self._jit_step(
+            self.params, self.cache, self.slot_state, self._put_inputs(inputs),
+            num_decode=bucket[2], **kwargs, **self._static,
+        )  # fmt: skip
+        return packed
 
-    def _side_programs(self, forks: tuple | None, targets: np.ndarray | None):
-        """`fork_fn` on `forks` (`fork_inputs`; None: no fork), then `score_fn` on `targets`
-        (`asked_targets`; None: no score); returns the scores (or None)."""
-        with jax.transfer_guard_host_to_device("allow"):  # their inputs, and only they
-            if forks is not None:
-                self.cache = self._jit_fork(self.cache, *self._put_inputs(forks), **self._static)
-            if targets is None:
-                return None
-            return self._jit_score(self.params, self.slot_state.prompt_hidden,
-                                   self._put_inputs(targets), **self._static)  # fmt: skip
+    def _run_fork(self, forks: tuple) -> None:
+        self.cache = self._jit_fork(self.cache, *self._put_inputs(forks), **self._static)
+
+    def _run_score(self, targets: np.ndarray):
+        return self._jit_score(self.params, self.slot_state.prompt_hidden,
+                               self._put_inputs(targets), **self._static)  # fmt: skip
 
     def step_args(self, inputs: StepInputs, num_decode: int, sampler: str = FULL
                   ) -> tuple[tuple, dict]:  # fmt: skip
@@ -479,46 +417,11 @@ class ModelRunner:
             inputs = PackedStepInputs.pack(inputs)
         return (self.params, self.cache, self.slot_state, inputs), kwargs
 
-    def programs(self, buckets) -> list[tuple]:
-        """`(bucket, sampler)` of every program `step` can run for these buckets."""
-        if not self.sampler_variants:
-            return [(b, FULL) for b in buckets]
-        return [(b, sampler) for sampler in (FULL, PLAIN, GREEDY) for b in buckets
-                if sampler in bucket_samplers(b.num_rows, b.num_decode)]  # fmt: skip
-
-    def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:
-        """Compile the step of every bucket (and the sampler variants of each decode bucket,
-        `programs`), then run each once on padding only. The programs are traced,
-        lowered and compiled in `workers` threads (default: one per core, at most 8): XLA's
-        compiles release the GIL, so they overlap (tracing does not)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        programs = self.programs(buckets)
-        inputs = [
-            self._put_inputs(PackedStepInputs.pack(build_inputs(bucket))) for bucket, _ in programs
-        ]
-
-        def compile_one(program, x):
-            bucket, sampler = program
-            args, kwargs = self.step_args(x, bucket.num_decode, sampler)
-            self._jit_step.lower(*args, **kwargs).compile()  # fills the jit's own cache
-
-        workers = workers or min(8, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            for i, _ in enumerate(pool.map(compile_one, programs, inputs)):
-                if progress is not None:
-                    progress(i + 1, len(programs), programs[i][0])
-        host = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
-        for (bucket, sampler), x in zip(programs, host, strict=True):
-            jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
-        prefill = [b for b in buckets if b.num_rows > b.num_decode]
-        if prefill:
-            self.run_side_programs(build_inputs(prefill[0]))
-
-    def run_side_programs(self, padding: StepInputs) -> None:
-        """Compile and run once `fork_fn` and `score_fn` (what a step with forks or
-        prompt_logprobs adds), on a bucket's padding: pad slots onto themselves, no target."""
-        jax.block_until_ready(self._side_programs(fork_inputs(padding), padding_targets()))
+    def _compile(self, program: tuple, inputs: StepInputs) -> None:
+        bucket, sampler = program
+        packed = self._put_inputs(PackedStepInputs.pack(inputs))
+        args, kwargs = self.step_args(packed, bucket.num_decode, sampler)
+        self._jit_step.lower(*args, **kwargs).compile()  # fills the jit's own cache
 
 
 def step_temporary_bytes(

@@ -41,7 +41,7 @@ from jaxmamba.engine.batch import Bucket, RowSpec, pow2_buckets, smallest_fittin
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.prefix_cache import PrefixCache
 from jaxmamba.engine.request import Request
-from jaxmamba.model.metadata import (
+from jaxmamba.step_contract import (
     MAX_DECODE_CHECKPOINTS,
     MAX_FORKS,
     MAX_PREFILL_CHECKPOINTS,

@@ -112,13 +112,13 @@ def aot_compile(
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxmamba.config import ModelConfig
     from jaxmamba.engine.batch import Bucket, StepBuilder
     from jaxmamba.engine.config import EngineConfig
     from jaxmamba.engine.scheduler import Scheduler
     from jaxmamba.export.writer import _flat_step, step_specs
-    from jaxmamba.llm import DTYPES
     from jaxmamba.model.cache import CacheSpec, cache_shapes
+    from jaxmamba.model.dtypes import DTYPES
+    from jaxmamba.model.families import load_config
     from jaxmamba.model.model import Mamba2HybridLM
     from jaxmamba.model.params import param_shapes
 
@@ -138,7 +138,7 @@ def aot_compile(
     hbm, peak_flops, peak_bw = CHIPS[chip]
     sharding = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
     jdtype = DTYPES[dtype]
-    cfg = ModelConfig.load(model)
+    cfg = load_config(model)
     engine_cfg = EngineConfig(**(engine or {})).for_chunk_size(cfg.chunk_size)
     spec = CacheSpec(
         num_slots=engine_cfg.state_slots,

@@ -125,7 +125,7 @@ def read_artifact(path: str | os.PathLike, *, platform: str | None = None) -> Ar
     platforms and `StepInputs` has the fields the steps were traced with."""
     import jax
 
-    from jaxmamba.model.metadata import StepInputs
+    from jaxmamba.step_contract import StepInputs
 
     path = Path(path)
     where = str(path / MANIFEST)

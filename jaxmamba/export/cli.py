@@ -1,51 +1,33 @@
-"""The `export`, `aot` and `convert` subcommands, and the compilation-cache flags of every
-command that builds an engine (added to the shared model flags by `jaxmamba.cli`)."""
+"""The `export`, `aot` and `convert` subcommands."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
-
-def add_cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--compilation-cache-dir",
-        help="JAX's persistent compilation cache (default: $JAXMAMBA_COMPILATION_CACHE_DIR or "
-        "~/.cache/jaxmamba/xla): a second start-up loads the compiled steps from it",
-    )
-    p.add_argument(
-        "--no-compilation-cache",
-        dest="compilation_cache",
-        action="store_false",
-        help="compile every step afresh, writing nothing",
-    )
+from jaxmamba.cli_args import add_engine_args, add_model_arg, add_setting_args, settings_from_args
+from jaxmamba.engine.config import EngineConfig, RunConfig
 
 
-def cache_kwargs(args) -> dict:
-    """The `LLM` kwargs of `add_cache_args`'s flags (none if the parser lacks them)."""
-    if not hasattr(args, "compilation_cache"):
-        return {}
-    return dict(
-        compilation_cache=args.compilation_cache, compilation_cache_dir=args.compilation_cache_dir
-    )
+class _NoPrefixCaching(argparse.Action):
+    """`--no-prefix-caching`: the old name of `--no-enable-prefix-caching`."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest="enable_prefix_caching", nargs=0,
+                         default=argparse.SUPPRESS, **kwargs)  # fmt: skip
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            "warning: --no-prefix-caching is deprecated: use --no-enable-prefix-caching",
+            file=sys.stderr,
+        )
+        namespace.enable_prefix_caching = False
 
 
 def _engine_fields(args) -> dict:
     """The `EngineConfig` fields among the parsed flags (None: the config's default)."""
-    from jaxmamba.engine.config import EngineConfig
-
-    names = [f.name for f in dataclasses.fields(EngineConfig)]
-    out = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    if getattr(args, "no_prefix_caching", False):
-        out["enable_prefix_caching"] = False
-    return out
-
-
-def _add_if_missing(p: argparse.ArgumentParser, flag: str, **kwargs) -> None:
-    if flag not in p._option_string_actions:
-        p.add_argument(flag, **kwargs)
+    return {k: v for k, v in settings_from_args(args, EngineConfig).items() if v is not None}
 
 
 def cmd_export(args) -> int:
@@ -78,17 +60,16 @@ def cmd_export(args) -> int:
     return 0
 
 
-def add_parsers(sub, add_model_args, add_engine_args) -> None:
+def add_parsers(sub) -> None:
     exp = sub.add_parser(
         "export",
         help="write a serving artifact: every bucket's jax.export step, Orbax weights, manifest",
     )
-    add_model_args(exp)
+    add_model_arg(exp)
+    add_setting_args(exp, RunConfig, ("dtype", "seed"))
     add_engine_args(exp)
-    _add_if_missing(exp, "--max-prefill-seqs", type=int)
-    _add_if_missing(exp, "--page-size", type=int)
-    _add_if_missing(exp, "--track-interval", type=int)
-    _add_if_missing(exp, "--no-prefix-caching", action="store_true")
+    exp.add_argument("--no-prefix-caching", action=_NoPrefixCaching,
+                     help="deprecated: --no-enable-prefix-caching")  # fmt: skip
     exp.add_argument("--out", required=True, help="the artifact directory to create")
     exp.add_argument(
         "--platforms",
@@ -124,7 +105,7 @@ def add_parsers(sub, add_model_args, add_engine_args) -> None:
         "the full sampler)",
     )
     exp.set_defaults(func=cmd_export)
-    add_more_parsers(sub, add_model_args, add_engine_args)
+    add_more_parsers(sub)
 
 
 def _bucket(text: str) -> tuple[int, int, int]:
@@ -163,17 +144,16 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def add_more_parsers(sub, add_model_args, add_engine_args) -> None:
+def add_more_parsers(sub) -> None:
     aot = sub.add_parser(
         "aot",
         help="compile every bucket's step for a TPU topology without a TPU (libtpu) and "
         "report memory against HBM, FLOPs and estimated step times",
     )
-    add_model_args(aot)
+    add_model_arg(aot)
+    add_setting_args(aot, RunConfig, ("dtype", "seed"))
     add_engine_args(aot)
-    _add_if_missing(aot, "--max-prefill-seqs", type=int)
-    _add_if_missing(aot, "--page-size", type=int)
-    aot.add_argument("--platform", default="tpu", choices=["tpu"])
+    aot.add_argument("--platform", default="tpu", choices=["tpu"], help="(default: tpu)")
     aot.add_argument("--topology", default="v6e:2x2", help="v5e:2x2, v6e:2x2, v5p:2x2x1, ...")
     aot.add_argument("--buckets", type=_bucket, nargs="+", help="only these TxBxD buckets")
     aot.add_argument("--serialize", help="a folder for the compiled executables")
@@ -181,5 +161,10 @@ def add_more_parsers(sub, add_model_args, add_engine_args) -> None:
     conv = sub.add_parser("convert", help="an HF checkpoint -> an Orbax checkpoint directory")
     conv.add_argument("--from", dest="src", required=True, help="HF checkpoint directory")
     conv.add_argument("--to", dest="dst", required=True, help="the directory to create")
-    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    conv.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the stored weights' dtype; auto: the checkpoint's (default: auto)",
+    )
     conv.set_defaults(func=cmd_convert)

@@ -1,18 +1,19 @@
-"""Serve an artifact: `ArtifactRunner` runs the deserialized steps with `ModelRunner`'s
-interface, and `LLM(DIR)` builds its engine on one. Nothing here imports or traces the model
-code (`jaxmamba.model.model` and its layers): the host side is the scheduler, prefix cache
-and sampling parameters, and the device side is the exported StableHLO.
+"""Serve an artifact: `ArtifactRunner` runs the deserialized steps (a `StepRunner`, as
+`ModelRunner` is), and `serve_artifact` builds the engine `LLM(DIR)` runs on one. Nothing
+here imports or traces the model code (`jaxmamba.model.model` and its layers): the host side
+is the scheduler, prefix cache and sampling parameters, and the device side is the exported
+StableHLO.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +21,14 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.config import EngineConfig
-from jaxmamba.engine.runner import (
-    FULL,
-    StepOutput,
-    asked_forks,
-    asked_targets,
-    choose_sampler,
-    fallback_sampler,
-    fork_fn,
-    fork_inputs,
-    padding_targets,
-    sampler_flags,
-    variants_enabled,
-)
+from jaxmamba.engine.engine import LLMEngine
+from jaxmamba.engine.runner import FULL, StepRunner, variants_enabled
+from jaxmamba.engine.scheduler import Scheduler
 from jaxmamba.export.artifact import Artifact, ArtifactError, programs, read_artifact
-from jaxmamba.model.cache import CacheSpec
-from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS, PackedStepInputs
+from jaxmamba.model.metadata import PackedStepInputs
+from jaxmamba.model.step import fork_fn
+from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
+from jaxmamba.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _COMPILE = threading.local()  # per compiling thread: did its last compile hit the disk cache
 
@@ -63,20 +56,14 @@ def _bucket_key(entry: dict) -> tuple[int, int, int]:
     return entry["num_tokens"], entry["num_rows"], entry["num_decode"]
 
 
-def _step_key(inputs, num_decode: int) -> tuple[int, int, int]:
-    """The bucket of a step's inputs, as `_bucket_key` names it."""
-    return (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
-            int(num_decode))  # fmt: skip
-
-
-class ArtifactRunner:
-    """`ModelRunner`'s interface (`cfg`, `cache_spec`, `dtype`, `step`, `programs`,
-    `precompile`, `num_compiles`) on an artifact's exported steps. `params`: the flat weight
-    leaves in the exported order (from the artifact's Orbax checkpoint, or given). A decode
-    bucket exported with its sampler variants runs them when `ModelRunner` would."""
+class ArtifactRunner(StepRunner):
+    """A `StepRunner` on an artifact's exported steps. `params`: the flat weight leaves in
+    the exported order (from the artifact's Orbax checkpoint, or given). A decode bucket
+    exported with its sampler variants runs them when `ModelRunner` would."""
 
     def __init__(self, artifact: Artifact, params=None, *, platform: str | None = None,
                  weights: str | os.PathLike | None = None):  # fmt: skip
+        super().__init__()
         m = artifact.manifest
         self.artifact = artifact
         self.platform = platform or _runtime_platform()
@@ -92,13 +79,9 @@ class ArtifactRunner:
         self._side: dict[str, Callable] = {}  # "score", "fork" -> the program, once built
         self._lock = threading.Lock()
         self.sampler_variants = variants_enabled()
-        # bucket -> the sampler programs this runner runs for it (the artifact's, or the full
-        # one alone with the variants off)
-        self._samplers = {
-            key: tuple(name for name, _ in programs(e)) if self.sampler_variants else (FULL,)
-            for key, e in self._entries.items()
-        }
-        self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
+        # bucket -> the sampler programs the artifact holds for it
+        self._samplers = {key: tuple(name for name, _ in programs(e))
+                          for key, e in self._entries.items()}  # fmt: skip
         self.loaded_executables = 0  # steps loaded compiled (`export --executables`)
         # (bucket, sampler) -> (its compiled step, compiled here afresh, not from the cache)
         self.compiled: dict[tuple, tuple] = {}
@@ -186,16 +169,24 @@ class ArtifactRunner:
     def buckets(self) -> list[tuple[int, int, int]]:
         return list(self._entries)
 
-    def _step(self, key: tuple[int, int, int], sampler: str = FULL) -> Callable:
-        fn = self._steps.get((key, sampler))
-        if fn is not None:
-            return fn
+    def _entry(self, key: tuple[int, int, int]) -> dict:
         entry = self._entries.get(key)
         if entry is None:
             raise ArtifactError(
                 f"{self.artifact.where}: no exported step for bucket (num_tokens, num_rows, "
                 f"num_decode)={key}; the artifact holds {sorted(self._entries)}"
             )
+        return entry
+
+    def held_samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
+        self._entry(bucket)
+        return self._samplers[bucket]
+
+    def _step(self, key: tuple[int, int, int], sampler: str = FULL) -> Callable:
+        fn = self._steps.get((key, sampler))
+        if fn is not None:
+            return fn
+        entry = self._entry(key)
         node = dict(programs(entry))[sampler]
         files = node["files"]
         if self.platform not in files:
@@ -239,24 +230,9 @@ class ArtifactRunner:
         """Read, check (sha256, platform, shapes) and deserialize every program's step now,
         in `workers` threads (default: one per core, at most 8)."""
         workers = workers or max(1, min(8, os.cpu_count() or 1))
-        jobs = [(key, sampler) for key, samplers in self._samplers.items() for sampler in samplers]
+        jobs = [(key, sampler) for key in self._samplers for sampler in self.samplers(key)]
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda job: self._step(*job), jobs))
-
-    def programs(self, buckets) -> list[tuple]:
-        """`(bucket, sampler)` of every program `step` can run for these buckets."""
-        return [(b, sampler) for b in buckets
-                for sampler in self._samplers[b.num_tokens, b.num_rows, b.num_decode]]  # fmt: skip
-
-    def sampler_variant(self, inputs, num_decode: int, top_logprobs: bool, *,
-                        ranks: bool = True) -> str:  # fmt: skip
-        """The sampler program `step` runs for these inputs: `ModelRunner`'s choice
-        (`choose_sampler`) where the artifact holds that program, else the next dearer one it
-        holds (`fallback_sampler`)."""
-        held = self._samplers.get(_step_key(inputs, num_decode), ())  # none: `_step` says so
-        sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
-                                 ranks=ranks)  # fmt: skip
-        return fallback_sampler(sampler, held)
 
     def _score_program(self) -> Callable:
         """The artifact's prompt_logprobs program (`runner.score_fn`), read once."""
@@ -285,42 +261,23 @@ class ArtifactRunner:
             self._side["fork"] = jax.jit(flat, donate_argnums=(0,))
         return self._side["fork"]
 
-    def step(self, inputs, num_decode: int, *, top_logprobs: bool = True,
-             ranks: bool = True) -> StepOutput:  # fmt: skip
-        """Dispatch one step, and the fork and prompt_logprobs programs where some row needs
-        them; returns the device outputs without waiting for them. `top_logprobs=False` /
-        `ranks=False`: no row reads them, as in `ModelRunner.step`."""
-        sampler = self.sampler_variant(inputs, num_decode, top_logprobs, ranks=ranks)
-        fn = self._step(_step_key(inputs, num_decode), sampler)
-        self.variant_steps[sampler] += 1
-        forks = asked_forks(inputs, num_decode, self.cache_spec.pad_slot)
-        targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
-        # The inputs go in as one host buffer (`PackedStepInputs`), which the executable's C++
-        # dispatch moves in one copy (a Python `device_put` first cost more: 2.6-8.0 ms for
-        # the 29 fields of a 32-row decode step on CPU, docs/benchmarks.md).
-        with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
-            packed, self.cache, self.slot_state = fn(
-                self.params, self.cache, self.slot_state, [PackedStepInputs.pack(inputs).buffer]
-            )
-        return StepOutput(packed, self._side_programs(forks, targets))
+    def _run_step(self, inputs: PackedStepInputs, bucket: tuple[int, int, int], sampler: str):
+        fn = self._step(bucket, sampler)
+        packed, self.cache, self.slot_state = fn(
+            self.params, self.cache, self.slot_state, [inputs.buffer]
+        )
+        return packed
 
-    def _side_programs(self, forks: tuple | None, targets: np.ndarray | None):
-        """The fork copies on `forks` (None: no fork), then the prompt_logprobs program on
-        `targets` (None: no score), as `ModelRunner._side_programs`; returns the scores."""
-        with jax.transfer_guard_host_to_device("allow"):  # their inputs, and only they
-            if forks is not None:
-                self.cache = self._fork_program()(self.cache, *forks)
-            if targets is None:
-                return None
-            return self._score_program()(self.params, self.slot_state[-1], targets)
+    def _run_fork(self, forks: tuple) -> None:
+        self.cache = self._fork_program()(self.cache, *forks)
 
-    def run_side_programs(self, padding) -> None:
-        """Compile and run once the fork and prompt_logprobs programs, on a bucket's padding
-        (as `ModelRunner.run_side_programs`)."""
-        jax.block_until_ready(self._side_programs(fork_inputs(padding), padding_targets()))
+    def _run_score(self, targets: np.ndarray):
+        return self._score_program()(self.params, self.slot_state[-1], targets)
 
-    def _compile(self, program, inputs) -> None:
-        fn = self._step(*program)
+    def _compile(self, program: tuple, inputs: StepInputs) -> None:
+        bucket, sampler = program
+        key = (bucket.num_tokens, bucket.num_rows, bucket.num_decode)
+        fn = self._step(key, sampler)
         if not hasattr(fn, "lower"):
             return  # a loaded executable: nothing to compile
         _COMPILE.hit = False
@@ -328,24 +285,7 @@ class ArtifactRunner:
             self.params, self.cache, self.slot_state, [PackedStepInputs.pack(inputs).buffer]
         )
         compiled = lowered.compile()
-        self.compiled[program] = (compiled, not _COMPILE.hit)
-
-    def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None):
-        """Compile every program of these buckets (`programs`; in a thread pool: XLA
-        compiles release the GIL), then run each once on padding only."""
-        progs = self.programs(buckets)
-        keys = [((b.num_tokens, b.num_rows, b.num_decode), sampler) for b, sampler in progs]
-        inputs = [build_inputs(b) for b, _ in progs]
-        workers = workers or max(1, min(8, os.cpu_count() or 1))
-        with ThreadPoolExecutor(workers) as pool:
-            for i, _ in enumerate(pool.map(self._compile, keys, inputs)):
-                if progress is not None:
-                    progress(i + 1, len(progs), progs[i][0])
-        for (bucket, sampler), x in zip(progs, inputs, strict=True):
-            jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
-        prefill = [b for b in buckets if b.num_rows > b.num_decode]
-        if prefill:
-            self.run_side_programs(build_inputs(prefill[0]))
+        self.compiled[key, sampler] = (compiled, not _COMPILE.hit)
 
     def forward_logits(self, inputs, num_decode: int):
         raise NotImplementedError("an exported artifact holds the sampling step only")
@@ -405,18 +345,15 @@ _ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "ma
 
 
 def engine_config(artifact: Artifact, requested: dict | None = None) -> EngineConfig:
-    """The artifact's engine settings; a `requested` value that differs from both `LLM`'s
-    default and the artifact's is an error naming the field."""
+    """The artifact's engine settings; a `requested` value that differs from both
+    `EngineConfig`'s default and the artifact's is an error naming the field."""
     m = artifact.manifest
     cfg = EngineConfig(**m["engine"])
     if requested:
-        from jaxmamba.llm import LLM
-
-        defaults = inspect.signature(LLM.__init__).parameters
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
         for name, value in requested.items():
             held = m["engine"].get(name)
-            default = defaults[name].default if name in defaults else None
-            if value != held and value != default:
+            if value != held and value != defaults.get(name):
                 raise ArtifactError(
                     f"{artifact.where}: engine field {name!r} holds {held!r}, expected "
                     f"{value!r} (asked for): re-export with that setting"
@@ -424,15 +361,24 @@ def engine_config(artifact: Artifact, requested: dict | None = None) -> EngineCo
     return cfg
 
 
-def init_llm_from_artifact(llm, path, *, seed: int = 0, params=None, precompile: bool = False,
-                           engine: dict | None = None, weights=None) -> None:  # fmt: skip
-    """Set up `llm` (an `LLM` being constructed) to serve the artifact at `path`."""
-    import itertools
+class ServedArtifact(NamedTuple):
+    """What serving an artifact takes: the engine on its `ArtifactRunner`, and the settings,
+    tokenizer and cache it was exported with."""
 
-    from jaxmamba.engine.engine import LLMEngine
-    from jaxmamba.engine.scheduler import Scheduler
-    from jaxmamba.tokenizer import ByteTokenizer, load_tokenizer
+    artifact: Artifact
+    runner: ArtifactRunner
+    engine: LLMEngine
+    model_cfg: ModelConfig
+    engine_cfg: EngineConfig
+    tokenizer: Tokenizer | None
+    cache_plan: ArtifactCachePlan
+    dtype: np.dtype
 
+
+def serve_artifact(path, *, seed: int = 0, params=None, precompile: bool = False,
+                   engine: dict | None = None, weights=None) -> ServedArtifact:  # fmt: skip
+    """The engine that serves the artifact at `path` (`engine`: the `EngineConfig` settings
+    asked for, checked against the exported ones by `engine_config`)."""
     artifact = read_artifact(path)
     runner = ArtifactRunner(artifact, params, weights=weights)
     runner.load_steps()
@@ -446,17 +392,12 @@ def init_llm_from_artifact(llm, path, *, seed: int = 0, params=None, precompile:
             f"{needed} for these engine settings"
         )
     tok = artifact.manifest.get("tokenizer")
-    llm.dtype = runner.dtype
     if tok == "byte":
-        llm.tokenizer = ByteTokenizer()
+        tokenizer = ByteTokenizer()
     else:
-        llm.tokenizer = load_tokenizer(Path(path) / tok, runner.cfg) if tok else None
-    llm.model_cfg = runner.cfg
-    llm.engine_cfg = engine_cfg
-    llm.runner = runner
-    llm.artifact = artifact
-    llm.cache_plan = ArtifactCachePlan(artifact)
-    llm.engine = LLMEngine(runner.cfg, runner, engine_cfg, tokenizer=llm.tokenizer, seed=seed)
+        tokenizer = load_tokenizer(Path(path) / tok, runner.cfg) if tok else None
+    llm_engine = LLMEngine(runner.cfg, runner, engine_cfg, tokenizer=tokenizer, seed=seed)
     if precompile:
-        llm.engine.precompile()
-    llm._ids = itertools.count()
+        llm_engine.precompile()
+    return ServedArtifact(artifact, runner, llm_engine, runner.cfg, engine_cfg, tokenizer,
+                          ArtifactCachePlan(artifact), runner.dtype)  # fmt: skip

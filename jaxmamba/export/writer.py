@@ -37,7 +37,7 @@ def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_dec
                sampler: str = "full"):  # fmt: skip
     """The engine step on flat lists of leaves: what an artifact stores for one bucket and
     sampler program (`jaxmamba aot` compiles the full one)."""
-    from jaxmamba.engine.runner import step_fn
+    from jaxmamba.model.step import step_fn
 
     args = [jax.tree.unflatten(t, leaves) for t, leaves in
             zip(trees, (params, cache, slot_state, inputs), strict=True)]  # fmt: skip
@@ -93,8 +93,8 @@ def add_executables(src: str | os.PathLike, out: str | os.PathLike, runner) -> P
     this machine, as `export --executables` stores it. A step the runner read back from the
     persistent cache, or one XLA cannot serialize as it is, is compiled afresh
     (`compile_serialized`): on XLA:CPU the former does not load, and an executable whose sort
-    got XLA:CPU's built-in comparator was seen refusing to serialize while the same step
-    compiled there did not."""
+    got XLA:CPU's built-in comparator may refuse to serialize where the same step compiled
+    afresh does not."""
     import pickle
 
     from jax.experimental.serialize_executable import serialize
@@ -137,9 +137,9 @@ def _aval(x) -> dict:
 def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
     """The abstract `(params, cache, slot_state, inputs)` of one bucket's step, and their
     treedefs; the inputs packed into one buffer, as the runners pass them."""
-    from jaxmamba.engine.runner import init_slot_state
     from jaxmamba.model.cache import cache_shapes
     from jaxmamba.model.metadata import PackedStepInputs
+    from jaxmamba.model.step import init_slot_state
 
     slot_state = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
     inputs = PackedStepInputs.pack(builder.padding(bucket))
@@ -173,9 +173,9 @@ def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, i
 def export_score(cfg, spec, dtype, params_tree, platform: str, impl=None):
     """`jax.export` of the prompt_logprobs program (`runner.score_fn`) for `platform`: flat
     params leaves, the slot state's `prompt_hidden` and the targets in, packed rows out."""
-    from jaxmamba.engine.runner import init_slot_state, score_fn
-    from jaxmamba.model.metadata import MAX_PROMPT_LOGPROB_TOKENS
     from jaxmamba.model.model import Mamba2HybridLM
+    from jaxmamba.model.step import init_slot_state, score_fn
+    from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS
 
     model = Mamba2HybridLM(cfg, dtype, impl or PLATFORM_IMPLS[platform])
     tree = jax.tree.structure(params_tree)
@@ -190,17 +190,17 @@ def export_score(cfg, spec, dtype, params_tree, platform: str, impl=None):
 def _setup(model: str, engine: dict | None, dtype: str):
     """What exporting `model` with these engine settings needs, host side: the dtype's name,
     the model and engine configs, the cache spec, the step builder, the tokenizer."""
-    from jaxmamba.config import ModelConfig
     from jaxmamba.engine.batch import StepBuilder
     from jaxmamba.engine.config import EngineConfig
-    from jaxmamba.llm import _with_tokenizer_eos, resolve_dtype
-    from jaxmamba.model.cache import CacheSpec
-    from jaxmamba.tokenizer import load_tokenizer
+    from jaxmamba.model.dtypes import resolve_dtype
+    from jaxmamba.model.families import load_config
+    from jaxmamba.step_contract import CacheSpec
+    from jaxmamba.tokenizer import load_tokenizer, with_tokenizer_eos
 
     dtype_name = {"bf16": "bfloat16", "fp32": "float32"}.get(d := resolve_dtype(dtype, model), d)
-    cfg = ModelConfig.load(model)
+    cfg = load_config(model)
     tokenizer = load_tokenizer(model, cfg)
-    cfg = _with_tokenizer_eos(cfg, tokenizer)
+    cfg = with_tokenizer_eos(cfg, tokenizer)
     engine_cfg = EngineConfig(**(engine or {})).for_chunk_size(cfg.chunk_size)
     spec = CacheSpec(
         num_slots=engine_cfg.state_slots, num_pages=engine_cfg.pages,
@@ -223,7 +223,7 @@ def _export_job(job) -> tuple[bytes, float]:
     """In an export worker: one bucket's serialized step for one platform and sampler
     program, and the seconds its tracing and lowering took."""
     from jaxmamba.engine.batch import Bucket
-    from jaxmamba.llm import DTYPES
+    from jaxmamba.model.dtypes import DTYPES
     from jaxmamba.model.params import param_shapes
 
     model, engine, dtype, bucket, platform, sampler = job
@@ -287,11 +287,12 @@ def export_artifact(
     from jaxmamba.config import checkpoint_dir
     from jaxmamba.engine.runner import FULL, bucket_samplers, variants_enabled
     from jaxmamba.engine.scheduler import Scheduler
-    from jaxmamba.llm import DTYPES, load_params
     from jaxmamba.model.cache import cache_shapes
-    from jaxmamba.model.metadata import StepInputs
+    from jaxmamba.model.dtypes import DTYPES
     from jaxmamba.model.orbax_io import flat_specs, save_params
     from jaxmamba.model.params import param_shapes
+    from jaxmamba.model.weights import load_params
+    from jaxmamba.step_contract import StepInputs
 
     say = progress or (lambda _msg: None)
     unknown = sorted(set(platforms) - set(PLATFORM_IMPLS))

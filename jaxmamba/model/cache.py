@@ -15,23 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
-
-
-class CacheSpec(NamedTuple):
-    """Sizes of a cache; `num_slots`/`num_pages` exclude the pad slot/page."""
-
-    num_slots: int
-    num_pages: int
-    page_size: int
-    ssm_dtype: str = "float32"
-
-    @property
-    def pad_slot(self) -> int:
-        return self.num_slots
-
-    @property
-    def pad_page(self) -> int:
-        return self.num_pages
+from jaxmamba.step_contract import CacheSpec
 
 
 class StateCache(NamedTuple):

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import get_family
+from jaxmamba.model.families import config_from_hf, get_family, hf_config_from
 from jaxmamba.model.families.common import Entry, is_base
 
 Params = dict[str, Any]
@@ -273,7 +273,7 @@ def _read(ckpt, names: set[str], prefix: str, e: Entry, path: Path) -> tuple[np.
 
 
 def _check_config(path: Path, cfg: ModelConfig) -> None:
-    ckpt_cfg = ModelConfig.from_hf_config(path)
+    ckpt_cfg = config_from_hf(path)
     for field in ckpt_cfg.to_dict():
         if field in ("name", "bos_token_id", "eos_token_id", "eos_token_ids", "pad_token_id"):
             continue
@@ -302,7 +302,7 @@ def load_hf_checkpoint(
     if not path.is_dir():
         raise ValueError(f"checkpoint path {path} is not a directory")
     if cfg is None:
-        cfg = ModelConfig.from_hf_config(path)
+        cfg = config_from_hf(path)
     else:
         _check_config(path, cfg)
     ckpt = _Checkpoint(path)
@@ -376,7 +376,7 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike
     weights, or splits an HF tensor into several arrays, cannot be written.
     """
     path = Path(path)
-    hf_config = cfg.to_hf_config()
+    hf_config = hf_config_from(cfg)
     path.mkdir(parents=True, exist_ok=True)
     prefix = get_family(cfg.model_type).base_prefixes[0]
     flat = dict(_flatten(params))

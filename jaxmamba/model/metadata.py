@@ -1,12 +1,5 @@
-"""Per-step inputs and the metadata every layer reads, derived once per jitted forward.
-
-Layout of a step (all shapes static, padded to a bucket):
-
-* tokens: ``T`` packed tokens; the first ``num_decode`` tokens belong to the decode rows
-  (one token each), the rest to the prefill/extend rows, row after row; tokens past the
-  last row's end are padding.
-* rows: ``B`` rows; rows ``[0, num_decode)`` decode, rows ``[num_decode, B)`` prefill.
-  Padding rows have zero tokens and point at the pad slot / pad page.
+"""The metadata every layer reads, derived once per jitted forward from the step's inputs
+(`jaxmamba.step_contract`: the fields, their shapes and the layout of a step).
 
 `ForwardMetadata.build` turns the host's `StepInputs` into everything the layers need: the
 token→row map, positions, the KV write slots, the varlen chunk layout (and the SSD kernels'
@@ -25,63 +18,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmamba.kernels.attention import QueryBlocks, attention_query_blocks
 from jaxmamba.kernels.conv1d import TokenStarts, token_starts
 from jaxmamba.kernels.ssd import ChunkLayout, TrackedRequests, build_chunk_layout, tracked_requests
-
-
-class StepInputs(NamedTuple):
-    """Fixed-shape arrays the host fills for one step; the runner moves them as one buffer
-    (`PackedStepInputs`)."""
-
-    input_ids: jax.Array  # i32[T]
-    tokens_from_device: jax.Array  # bool[B] decode row's input is its slot's last sampled token
-    query_start_loc: jax.Array  # i32[B+1] cumulative token counts per row (pad rows: 0 tokens)
-    prefix_lens: jax.Array  # i32[B] tokens already in the cache before this step
-    state_slots: jax.Array  # i32[B] working state slot (pad rows: the pad slot)
-    init_slots: jax.Array  # i32[B] slot the initial state is read from (a prefix-cache hit's node)
-    has_initial_state: jax.Array  # bool[B]
-    # Where to checkpoint the state this step: up to MAX_PREFILL_CHECKPOINTS per prefill row
-    # (decode rows use column 0); unused entries hold the pad slot and length 0. A `[B]`
-    # array is read as one column.
-    track_slots: jax.Array  # i32[B, KP]
-    track_lens: jax.Array  # i32[B, KP] absolute length of each checkpoint
-    page_table: jax.Array  # i32[B, MP] KV pages per row (pad entries: the pad page)
-    temperature: jax.Array  # f32[B] 0 = greedy
-    top_p: jax.Array  # f32[B]
-    top_k: jax.Array  # i32[B] 0 = off
-    seeds: jax.Array  # u32[B] per-request sampling seed
-    sample_counters: jax.Array  # i32[B] tokens sampled so far (folds into the seed)
-    min_p: jax.Array  # f32[B] 0 = off
-    min_tokens: jax.Array  # i32[B] stop_ids are masked while sample_counters < min_tokens
-    stop_ids: jax.Array  # i32[B, MAX_STOP_IDS] eos + stop_token_ids (-1 = pad)
-    logit_bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS] (-1 = pad)
-    logit_bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]
-    presence_penalty: jax.Array  # f32[B] 0 = off
-    frequency_penalty: jax.Array  # f32[B] 0 = off
-    repetition_penalty: jax.Array  # f32[B] 1 = off
-    penalty_reset: jax.Array  # bool[B] the row is its request's first step (clears its slot)
-    # i32[T] the prompt token after each prefill token, for prompt_logprobs (-1: not asked);
-    # None: the step scores no prompt tokens.
-    prompt_logprob_targets: jax.Array | None = None
-    # n > 1 forks: the step copies each source slot's sampler penalties to its destination
-    # slot, and `runner.fork_fn`, run after it, the state (SSM, conv) and each source KV page
-    # (a prompt's partial last page) to its destination. Unused entries: pad -> pad. None: no
-    # forks.
-    fork_src_slots: jax.Array | None = None  # i32[KF]
-    fork_dst_slots: jax.Array | None = None  # i32[KF]
-    fork_src_pages: jax.Array | None = None  # i32[KF]
-    fork_dst_pages: jax.Array | None = None  # i32[KF]
-
-
-def _to_i32(a: np.ndarray) -> np.ndarray:
-    if a.dtype == np.bool_:
-        return a.astype(np.int32)
-    if a.dtype in (np.int32, np.uint32, np.float32):
-        return a.view(np.int32)
-    raise TypeError(f"a step input of dtype {a.dtype}: expected int32, uint32, float32 or bool")
+from jaxmamba.step_contract import MAX_DECODE_CHECKPOINTS, StepInputs, pack
 
 
 def _from_i32(x: jax.Array, dtype: str) -> jax.Array:
@@ -96,9 +37,8 @@ def _from_i32(x: jax.Array, dtype: str) -> jax.Array:
 class PackedStepInputs:
     """A step's `StepInputs` as one int32 buffer (floats and uint32 bit-cast, bools 0/1), and
     the static layout that reads them back (`unpack`, inside the step). Handing the step one
-    array means one host→device copy a step: each of the ~25 fields was a copy of its own,
-    and a 9B prefill step on the H200 waited ~2 ms for them before its first kernel
-    (docs/benchmarks.md). The layout is the pytree's static part, so a bucket's steps share
+    array means one host→device copy a step, not one a field, which the device would wait
+    for before its first kernel. The layout is the pytree's static part, so a bucket's steps share
     one program."""
 
     def __init__(self, buffer, layout: tuple):
@@ -114,15 +54,8 @@ class PackedStepInputs:
 
     @classmethod
     def pack(cls, inputs: StepInputs) -> PackedStepInputs:
-        """Host side: every field present, flattened into one buffer."""
-        layout, parts = [], []
-        for name, value in zip(inputs._fields, inputs, strict=True):
-            if value is None:
-                continue
-            a = np.asarray(value)
-            layout.append((name, a.shape, a.dtype.name))
-            parts.append(_to_i32(a).ravel())
-        return cls(np.concatenate(parts), tuple(layout))
+        """Host side: every field present, flattened into one buffer (`step_contract.pack`)."""
+        return cls(*pack(inputs))
 
     def unpack(self) -> StepInputs:
         """Device side: the fields, sliced at static offsets (XLA folds each into its
@@ -152,33 +85,6 @@ class PrefillMetadata(NamedTuple):
     track_ends: jax.Array  # i32[Bp*KP] tracked length relative to its row's first new token
     track_chunks: jax.Array  # i32[Bp*KP] chunk whose end state is the tracked SSM state
     tracked: TrackedRequests  # track_chunks by chunk, what the SSD kernels write them from
-
-
-# A decode step checkpoints at most this many rows (rows whose length crosses a multiple of
-# the track interval); the scheduler enforces it. Copying only these rows — not a masked copy
-# of every row — keeps decode from moving every state twice.
-MAX_DECODE_CHECKPOINTS = 8
-
-# A prefill/extend row writes at most this many checkpoints in one step: one where its prompt
-# branches off a prefix other requests share (the deepest block boundary inside the shared
-# part) and one at the last block boundary of the chunk it feeds. A third is never needed: a
-# request has one branch point (the deepest; shallower ones are covered by it), and a
-# multi-turn or decode checkpoint is the chunk-end one. Each entry costs the SSD scan one
-# more chunk-boundary state written and the conv a K-1 row gather, so the bound stays small.
-MAX_PREFILL_CHECKPOINTS = 2
-
-# A step scores at most this many prompt tokens for prompt_logprobs (the scheduler caps a
-# request's chunk to it): a step with prefill rows keeps their hidden states, and
-# `runner.score_fn`, run after it only when some row asks, computes their logits and top
-# logprobs (a fixed block: one program whatever the bucket).
-MAX_PROMPT_LOGPROB_TOKENS = 128
-
-
-# A step forks at most this many sample slots off the prompts it finishes (n > 1: sample 0
-# prefills, samples 1..n-1 take copies of its end state). `runner.fork_fn` copies this many
-# states per Mamba layer, used or not (a static shape), so it stays small; a request's samples
-# past it resume from the prefix cache instead.
-MAX_FORKS = 4
 
 
 class DecodeMetadata(NamedTuple):

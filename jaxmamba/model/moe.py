@@ -14,7 +14,7 @@ step's (static) token count:
   the reference's loop over blocks on CPU.
 
 A new routing changes values, never shapes, so nothing recompiles and nothing waits for the
-host. Measurements behind the choice: docs/benchmarks.md, "Model families (issue 18)".
+host. Measurements behind the choice: `scripts/bench_moe.py` (docs/benchmarks.md).
 
 Letters: T tokens, E hidden, X experts, k experts per token, F expert width.
 """
@@ -105,8 +105,8 @@ def grouped_experts(
     `method` None picks by platform and step size: where `impl` runs the grouped-matmul
     kernel (CUDA), "blocked" at every size on the kernel; otherwise "gathered" for at most as
     many assignments as experts, else "ragged" on TPU (XLA lowers `ragged_dot` to a grouped
-    matmul there) and "blocked" on the reference elsewhere (on the H200 XLA's `ragged_dot`
-    costs every expert densely: docs/benchmarks.md, "Model families (issue 18)")."""
+    matmul there) and "blocked" on the reference elsewhere (on CUDA, XLA's `ragged_dot` costs
+    every expert densely: `scripts/bench_moe.py`)."""
     T, k = idx.shape
     if method is None:
         if has_kernel(impl):

@@ -120,15 +120,15 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     checkpoint in `dst/orbax`; `LLM(dst)` restores it. Returns `dst`."""
     import shutil
 
-    from jaxmamba.config import ModelConfig
-    from jaxmamba.llm import DTYPES, resolve_dtype
+    from jaxmamba.model.dtypes import DTYPES, resolve_dtype
+    from jaxmamba.model.families import load_config
     from jaxmamba.model.loader import load_hf_checkpoint
     from jaxmamba.model.params import param_shapes
 
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise ValueError(f"{dst} exists: pick a new directory")
-    cfg = ModelConfig.load(str(src))
+    cfg = load_config(str(src))
     jdtype = DTYPES[resolve_dtype(dtype, str(src))]
     params = load_hf_checkpoint(src, cfg, dtype=jdtype, expected=param_shapes(cfg, jdtype))
     dst.mkdir(parents=True)

@@ -8,41 +8,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.cache import CacheSpec, init_cache
-from jaxmamba.model.metadata import ForwardMetadata, StepInputs
+from jaxmamba.model.cache import init_cache
+from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.model.model import Mamba2HybridLM
-from jaxmamba.model.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
+from jaxmamba.step_contract import CacheSpec, padding
 
 
 def _dummy_step(cfg: ModelConfig, dtype):
     """A one-row, `chunk_size`-token prefill: enough to trace every layer for `init`."""
     spec = CacheSpec(num_slots=1, num_pages=1, page_size=cfg.chunk_size)
     T = cfg.chunk_size
-    inputs = StepInputs(
-        input_ids=np.zeros(T, np.int32),
-        tokens_from_device=np.zeros(1, bool),
+    # one row of T tokens on slot 0 and page 0; the rest padding
+    inputs = padding(T, 1, 1, spec)._replace(
         query_start_loc=np.array([0, T], np.int32),
-        prefix_lens=np.zeros(1, np.int32),
         state_slots=np.zeros(1, np.int32),
         init_slots=np.zeros(1, np.int32),
-        has_initial_state=np.zeros(1, bool),
-        track_slots=np.ones(1, np.int32),
-        track_lens=np.zeros(1, np.int32),
         page_table=np.zeros((1, 1), np.int32),
-        temperature=np.zeros(1, np.float32),
-        top_p=np.ones(1, np.float32),
-        top_k=np.zeros(1, np.int32),
-        seeds=np.zeros(1, np.uint32),
-        sample_counters=np.zeros(1, np.int32),
-        min_p=np.zeros(1, np.float32),
-        min_tokens=np.zeros(1, np.int32),
-        stop_ids=np.full((1, MAX_STOP_IDS), -1, np.int32),
-        logit_bias_ids=np.full((1, MAX_LOGIT_BIAS), -1, np.int32),
-        logit_bias_values=np.zeros((1, MAX_LOGIT_BIAS), np.float32),
-        presence_penalty=np.zeros(1, np.float32),
-        frequency_penalty=np.zeros(1, np.float32),
-        repetition_penalty=np.ones(1, np.float32),
-        penalty_reset=np.ones(1, bool),
     )
     meta = ForwardMetadata.build(
         inputs, num_decode=0, chunk_size=cfg.chunk_size, page_size=T, pad_page=1, pad_slot=1

@@ -6,12 +6,10 @@ the top-k survivors renormalised, and min-p. Greedy rows (temperature 0) take th
 the processed logits. Every parameter is a per-row array, so a new mix of parameters never
 recompiles.
 
-The program has no device branch: with `lax.cond`s that skipped the sort for greedy steps, the
-9B decode step ran ~5 ms slower on the H200 at every batch size (docs/benchmarks.md, issue 17),
-as if the host waited for each predicate before launching the rest. The host chooses instead:
-the sort of each row's scaled logits serves only the top-k/top-p/min-p cut-off, and the top
-logprobs (a two-stage top-k, `top_k_blocked`, exact to the ids and cheaper than one `lax.top_k`
-over the vocabulary) only requests that ask for them, so `sample(cutoff=False,
+The program has no device branch (`tests/test_no_host_sync.py` checks it); the host chooses
+instead: the sort of each row's scaled logits serves only the top-k/top-p/min-p cut-off, and
+the top logprobs (a two-stage top-k, `top_k_blocked`, exact to the ids and cheaper than one
+`lax.top_k` over the vocabulary) only requests that ask for them, so `sample(cutoff=False,
 top_logprobs=False)` is a second program without either, for steps where no row needs them
 (`needs_cutoff`; the runner picks it for decode steps), and with `draw=False, ranks=False` and
 no penalties a third, the argmax alone, for steps of greedy rows that ask for no logprobs.
@@ -30,15 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Top logprobs are always computed for this many tokens (a static shape); a request asks for
-# up to this many (vLLM's default `max_logprobs` is the same).
-MAX_LOGPROBS = 20
-# Per-row padded sizes (pad entries are -1): logit_bias entries, and the stop ids (eos and
-# stop_token_ids) that min_tokens masks.
-MAX_LOGIT_BIAS = 64
-MAX_STOP_IDS = 16
-# Block of the first stage of `top_k_blocked`: the fastest of 1024-8192 for the top 20 of
-# 131072 at batch 1-256 on the H200 (`python3 scripts/bench_sampling.py`, docs/benchmarks.md).
+# Top logprobs are always computed for MAX_LOGPROBS tokens (a static shape).
+from jaxmamba.step_contract import MAX_LOGPROBS
+
+# First-stage block of `top_k_blocked`: the fastest of 1024-8192 (`scripts/bench_sampling.py`).
 TOP_K_BLOCK = 1024
 
 

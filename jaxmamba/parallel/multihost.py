@@ -11,8 +11,8 @@ scheduler runs on process 0 alone and broadcasts each step's inputs.
         multihost.follow(llm)                   # runs the steps process 0 sends, until stopped
 
 Every process loads the weights (each keeps its own devices' shards) and builds the same
-engine, so the buckets, the cache and the compiled programs agree. Process 0's runner is a
-`LeaderRunner`: before it dispatches a step it broadcasts a small header (the bucket) and
+engine, so the buckets, the cache and the compiled programs agree. Process 0's runner leads
+(`lead`): before it dispatches a step it broadcasts a small header (the bucket) and
 then the step's `StepInputs`; a follower builds padding inputs of that bucket (the same
 pytree and shapes), receives process 0's values into them, and dispatches the same step.
 The packed output is replicated, and only process 0 reads it. Nothing else of the engine
@@ -45,34 +45,29 @@ def _broadcast(tree):
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-class LeaderRunner:
-    """Process 0's runner: a `ModelRunner` whose every step is first sent to the followers."""
+def _send_step(inputs, num_decode: int):
+    """The leader's `StepRunner.send_step`: the bucket, then the inputs, to every follower;
+    returns the inputs as broadcast."""
+    bucket = (len(inputs.input_ids), len(inputs.state_slots), num_decode)
+    _broadcast(np.array([_STEP, *bucket], np.int32))
+    return _broadcast(inputs)
 
-    def __init__(self, runner):
-        self._runner = runner
 
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
-
-    def step(self, inputs, num_decode: int, *, top_logprobs: bool = True, ranks: bool = True):
-        # The followers run the full sampler program (the sharded step has no other), so the
-        # leader does too whatever `top_logprobs` and `ranks` say: it serves every step.
-        del top_logprobs, ranks
-        bucket = (len(inputs.input_ids), len(inputs.state_slots), num_decode)
-        _broadcast(np.array([_STEP, *bucket], np.int32))
-        inputs = _broadcast(inputs)
-        return self._runner.step(inputs, num_decode)
-
-    def stop(self) -> None:
-        _broadcast(np.array([_STOP, 0, 0, 0], np.int32))
+def lead(runner):
+    """Make `runner` (a `StepRunner`) process 0's: it sends every step to the followers
+    first, and runs the full sampler program, the one the followers run whatever the step
+    (they never read which its rows need)."""
+    runner.send_step = _send_step
+    runner.sampler_variants = False
+    return runner
 
 
 def leader(runner):
-    """Process 0's `LeaderRunner` in a multi-process job; otherwise `runner` itself."""
+    """`runner`, made process 0's (`lead`) in a multi-process job."""
     import jax
 
     if jax.process_count() > 1 and jax.process_index() == 0:
-        return LeaderRunner(runner)
+        return lead(runner)
     return runner
 
 
@@ -89,5 +84,5 @@ def follow(llm) -> None:
 
 def stop_followers(llm) -> None:
     """Process 0: end every follower's `follow` loop."""
-    if isinstance(llm.runner, LeaderRunner):
-        llm.runner.stop()
+    if llm.runner.send_step is _send_step:
+        _broadcast(np.array([_STOP, 0, 0, 0], np.int32))

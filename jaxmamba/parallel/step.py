@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxmamba.model.step import fork_fn, init_slot_state, logits_fn, score_fn, step_fn
 from jaxmamba.parallel.plan import TensorParallelPlan
 
 REPLICATED = PartitionSpec()
@@ -44,9 +45,7 @@ def _shard_mapped(fn, mesh_plan: MeshPlan, spec, dtype, out_cache: bool):
 
 
 def tp_step_fn(params, cache, slot_state, inputs, *, model, spec, num_decode, mesh_plan):
-    """`runner.step_fn` over the mesh (`model` is the shard model)."""
-    from jaxmamba.engine.runner import step_fn
-
+    """`model.step.step_fn` over the mesh (`model` is the shard model)."""
     body = functools.partial(step_fn, model=model, spec=spec, num_decode=num_decode)
     dtype = model.dtype
     return _shard_mapped(body, mesh_plan, spec, dtype, out_cache=True)(
@@ -55,8 +54,6 @@ def tp_step_fn(params, cache, slot_state, inputs, *, model, spec, num_decode, me
 
 
 def tp_logits_fn(params, cache, inputs, *, model, spec, num_decode, mesh_plan):
-    from jaxmamba.engine.runner import logits_fn
-
     def body(params, cache, _unused, inputs):
         return logits_fn(params, cache, inputs, model=model, spec=spec, num_decode=num_decode)
 
@@ -66,9 +63,8 @@ def tp_logits_fn(params, cache, inputs, *, model, spec, num_decode, mesh_plan):
 
 
 def tp_score_fn(params, prompt_hidden, targets, *, model, spec, mesh_plan):
-    """`runner.score_fn` over the mesh: each device's logits shard, gathered, then the same
+    """`model.step.score_fn` over the mesh: each device's logits shard, gathered, then the same
     prompt logprobs on every device."""
-    from jaxmamba.engine.runner import score_fn
     from jaxmamba.parallel.sharding import param_specs
 
     body = functools.partial(score_fn, model=model, spec=spec)
@@ -78,8 +74,7 @@ def tp_score_fn(params, prompt_hidden, targets, *, model, spec, mesh_plan):
 
 
 def tp_fork_fn(cache, *forks, model, spec, mesh_plan):
-    """`runner.fork_fn` over the mesh: each device copies its shard of the slots and pages."""
-    from jaxmamba.engine.runner import fork_fn
+    """`model.step.fork_fn` over the mesh: each device copies its shard of the slots and pages."""
     from jaxmamba.parallel.sharding import cache_specs
 
     body = functools.partial(fork_fn, model=model, spec=spec)
@@ -124,7 +119,6 @@ def lower_step(mesh_plan: MeshPlan, param_shapes, spec, inputs, num_decode: int,
     sizing and deviceless compiles over a TPU topology's devices."""
     import jax.numpy as jnp
 
-    from jaxmamba.engine.runner import init_slot_state
     from jaxmamba.model.model import Mamba2HybridLM
     from jaxmamba.parallel.sharding import (
         replicated,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,6 +46,11 @@ _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "
            "/reset_prefix_cache", "/openapi.json", "/docs")  # fmt: skip
 _OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")
 SWITCH_INTERVAL_S = 0.0005
+# uvicorn cuts the connections this long after the grace period, by which time the server has
+# ended every open request itself (with an error event on streams).
+_CUT_AFTER_GRACE_S = 5.0
+# What JSON cannot hold (-inf) becomes this floor, as in vLLM.
+MIN_LOGPROB = -9999.0
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -68,11 +75,19 @@ class ApiError(Exception):
         self.param, self.code, self.headers = param, code, headers
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote input that is not valid
+    Unicode (a lone surrogate), which UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, *, type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return _AsciiJSONResponse(body, status_code=status, headers=headers)
 
 
 def _from_api_error(err: ApiError) -> JSONResponse:
@@ -94,6 +109,13 @@ class _Disconnected(Exception):
 _DISCONNECTED = object()
 
 
+@dataclass(frozen=True)
+class _Ended:
+    """Put in an open request's queue when the server ends it (a shutdown's grace ran out)."""
+
+    message: str
+
+
 @dataclass
 class _Sequence:
     """One choice as it accumulates."""
@@ -109,8 +131,11 @@ class _Sequence:
 class _Generation:
     """The engine requests of one HTTP request (one per prompt), consumed in step order."""
 
-    def __init__(self, server: OpenAIServer, request: Request, prompts, params, n: int):
+    def __init__(self, server: OpenAIServer, request: Request, prompts, params, n: int, *,
+                 hide_output: bool = False):  # fmt: skip
         self.server, self.http_request, self.n = server, request, n
+        # echo with max_tokens 0: the engine samples one token, which nobody is shown
+        self.hide_output = hide_output
         self.base_id = uuid.uuid4().hex
         self.prompts = prompts  # [(text or None, ids)]
         self.rids = [f"{self.base_id}-{i}" for i in range(len(prompts))]
@@ -119,6 +144,7 @@ class _Generation:
         self.arrival = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.seqs = [[_Sequence() for _ in range(n)] for _ in prompts]
+        self.prompt_logprobs: list[list[dict[int, Logprob] | None] | None] = [None] * len(prompts)
         self.cached = [0] * len(prompts)
         self.unfinished = set(self.rids)
         self._seats = n * len(prompts)
@@ -137,14 +163,13 @@ class _Generation:
             self.server.give_seats(self._seats)
             self._closed = True
             raise ApiError(503, str(err), type="server_error", code="shutting_down") from err
+        self.server.generations.add(self)
         self._watch = asyncio.create_task(self._watch_disconnect())
         pending = set(self.rids)
         failure = None
         while pending:
             item = await self.queue.get()
-            if item is _DISCONNECTED:
-                self.close()
-                raise _Disconnected
+            self._check_gone(item)
             if isinstance(item, Accepted):
                 pending.discard(item.request_id)
             elif isinstance(item, Failed):
@@ -156,6 +181,15 @@ class _Generation:
             if isinstance(failure, ValueError | TypeError | NotImplementedError):
                 raise _bad_params(failure)
             raise ApiError(500, f"the engine failed: {failure}", type="server_error")
+
+    def _check_gone(self, item) -> None:
+        """Raise if `item` says the client left or the server ended this request."""
+        if item is _DISCONNECTED:
+            self.close()
+            raise _Disconnected
+        if isinstance(item, _Ended):
+            self.close()
+            raise ApiError(503, item.message, type="server_error", code="shutting_down")
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -170,9 +204,7 @@ class _Generation:
         metrics = self.server.metrics
         while self.unfinished:
             item = await self.queue.get()
-            if item is _DISCONNECTED:
-                self.close()
-                raise _Disconnected
+            self._check_gone(item)
             if isinstance(item, Failed):
                 self.unfinished.discard(item.request_id)
                 self.close()
@@ -180,6 +212,12 @@ class _Generation:
             if not isinstance(item, RequestOutput):
                 continue
             p = self.index[item.request_id]
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs[p] = item.prompt_logprobs
+            if self.hide_output:
+                hidden = [dataclasses.replace(c, text="", token_ids=[], logprobs=None)
+                          for c in item.outputs]  # fmt: skip
+                item = dataclasses.replace(item, outputs=hidden)
             now = time.perf_counter()
             for c in item.outputs:
                 seq = self.seqs[p][c.index]
@@ -215,14 +253,19 @@ class _Generation:
             self.close()
 
     def close(self) -> None:
-        """Abort what is unfinished and free this request's seats (idempotent)."""
+        """Abort what is unfinished (its sequences count as finished by "abort") and free this
+        request's seats (idempotent)."""
         if self._closed:
             return
         self._closed = True
         if self.unfinished:
             with contextlib.suppress(RuntimeError):
                 self.server.loop.abort(sorted(self.unfinished))
+            aborted = sum(seq.finish_reason is None for rid in self.unfinished
+                          for seq in self.seqs[self.index[rid]])  # fmt: skip
+            self.server.metrics.finished.labels("abort").inc(aborted)
             self.unfinished.clear()
+        self.server.generations.discard(self)
         self.server.give_seats(self._seats)
         if self._watch is not None:
             self._watch.cancel()
@@ -251,6 +294,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(lambda: self.loop.snapshot)
         self.capacity = self.engine_config.max_num_seqs + config.max_queued_requests
         self.seats_taken = 0  # touched on the event loop only
+        self.generations: set[_Generation] = set()  # the open requests; event loop only
         self.created = int(time.time())
         self.app = self._build_app()
 
@@ -270,6 +314,12 @@ class OpenAIServer:
 
     def give_seats(self, n: int) -> None:
         self.seats_taken -= n
+
+    def end_open_requests(self, message: str) -> None:
+        """End every open request now: a stream gets an error event with `message` and
+        `[DONE]`, a non-streaming request a 503; their sequences are aborted."""
+        for gen in self.generations:
+            gen.queue.put_nowait(_Ended(message))
 
     # -- validation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -297,7 +347,21 @@ class OpenAIServer:
                 param="max_tokens", code="context_length_exceeded",
             )  # fmt: skip
 
-    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None):
+    def check_options(self, req) -> None:
+        """The request-level rules both routes share (vLLM's)."""
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options can only be set with stream: true",
+                           param="stream_options")  # fmt: skip
+        if req.response_format is not None and req.response_format.type != "text":
+            raise ApiError(400, f"response_format {req.response_format.type!r} is not supported "
+                           "(no structured output here): only 'text'",
+                           param="response_format")  # fmt: skip
+        if req.stream and req.prompt_logprobs:
+            raise ApiError(400, "prompt_logprobs are not available with stream: true",
+                           param="prompt_logprobs")  # fmt: skip
+
+    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None):  # fmt: skip
         if not isinstance(req.n, int) or not 1 <= req.n <= MAX_N:
             raise ApiError(400, f"n must be an int in [1, {MAX_N}], got {req.n}", param="n")
         if req.n > self.capacity:
@@ -341,6 +405,7 @@ class OpenAIServer:
             skip_special_tokens=req.skip_special_tokens,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=bias,
         )
         try:
@@ -352,12 +417,38 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise ApiError(400, f"{param} is text but this model has no tokenizer: send token "
                            "ids", param=param)  # fmt: skip
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ApiError(
+                400, f"{param} is not valid Unicode: it holds a lone surrogate "
+                f"{text[err.start]!r} at character {err.start} (JSON \\ud800-\\udfff escapes "
+                "must come in high-low pairs); send valid text or token ids", param=param,
+            ) from None  # fmt: skip
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def token_text(self, token: int, lp: Logprob | None) -> str:
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
-        return f"token_id:{token}"
+        return self.decode_token(token)
+
+    def decode_token(self, token: int) -> str:
+        """One token's text as the engine's `decoded_token` has it (specials shown)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def prompt_logprobs_json(self, logprobs: list[dict[int, Logprob] | None] | None):
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id:
+        {logprob, rank, decoded_token}}, the prompt token first."""
+        if logprobs is None:
+            return None
+        return [
+            None if top is None else {
+                str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
+                         "decoded_token": self.token_text(t, lp)} for t, lp in top.items()
+            } for top in logprobs
+        ]  # fmt: skip
 
     # -- the app ------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -458,14 +549,20 @@ class OpenAIServer:
         if req.best_of is not None and req.best_of != req.n:
             raise ApiError(400, f"best_of must equal n (got best_of={req.best_of}, n={req.n})",
                            param="best_of")  # fmt: skip
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo with logprobs needs prompt logprobs, not supported",
-                           param="echo")  # fmt: skip
+        self.check_options(req)
         prompts = self._completion_prompts(req)
+        # As vLLM: echo with logprobs scores the prompt too, and echo with max_tokens 0 returns
+        # the prompt alone (the engine samples one token that is not shown).
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo:
+            prompt_logprobs = req.logprobs
+        echo_only = req.echo and req.max_tokens == 0
+        max_tokens = 1 if echo_only else req.max_tokens
         for _, ids in prompts:
-            self.check_prompt(ids, req.max_tokens, "prompt")
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-        gen = await self._start(request, prompts, params, req.n)
+            self.check_prompt(ids, max_tokens, "prompt")
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                      prompt_logprobs=prompt_logprobs)  # fmt: skip
+        gen = await self._start(request, prompts, params, req.n, hide_output=echo_only)
         head = {"id": f"cmpl-{gen.base_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}  # fmt: skip
         echo = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
@@ -474,15 +571,21 @@ class OpenAIServer:
         await gen.run()
         choices = []
         for p, seqs in enumerate(gen.seqs):
+            ids, prompt_lps = gen.prompts[p][1], gen.prompt_logprobs[p]
             for i, seq in enumerate(seqs):
+                logprobs = None
+                if req.logprobs is not None:
+                    shown = (seq.token_ids, seq.logprobs)
+                    if req.echo:
+                        shown = ([*ids, *seq.token_ids], [*prompt_lps, *seq.logprobs])
+                    logprobs = self._completion_logprobs(*shown, 0)
                 choice = {
-                    "index": p * req.n + i, "text": echo[p] + seq.text,
-                    "logprobs": self._completion_logprobs(seq.token_ids, seq.logprobs, 0)
-                    if req.logprobs is not None else None,
+                    "index": p * req.n + i, "text": echo[p] + seq.text, "logprobs": logprobs,
                     "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                    "prompt_logprobs": self.prompt_logprobs_json(prompt_lps),
                 }  # fmt: skip
                 if req.return_token_ids:
-                    choice["prompt_token_ids"] = gen.prompts[p][1]
+                    choice["prompt_token_ids"] = ids
                     choice["token_ids"] = seq.token_ids
                 choices.append(choice)
         return {**head, "choices": choices, "usage": gen.usage()}
@@ -493,12 +596,20 @@ class OpenAIServer:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     def _completion_logprobs(self, token_ids, logprobs, offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs; a None step (the first prompt token) has neither a
+        logprob nor top logprobs."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token, top in zip(token_ids, logprobs, strict=True):
-            text = self.token_text(token, top.get(token))
+            if top is None:
+                text = self.decode_token(token)
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                text = self.token_text(token, top.get(token))
+                token_logprobs.append(max(top[token].logprob, MIN_LOGPROB))
+                tops.append({self.token_text(t, lp): max(lp.logprob, MIN_LOGPROB)
+                             for t, lp in top.items()})  # fmt: skip
             tokens.append(text)
-            token_logprobs.append(top[token].logprob)
-            tops.append({self.token_text(t, lp): lp.logprob for t, lp in top.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
@@ -506,15 +617,27 @@ class OpenAIServer:
 
     def _completion_chunks(self, gen: _Generation, req, echo):
         """The opening choices (the echoed prompts, the prompts' token ids) and the choices of
-        one delta, for a streamed completion."""
+        one delta, for a streamed completion. With logprobs the echo waits for the prompt's
+        logprobs, which come with its first delta."""
+        late_echo = req.echo and req.logprobs is not None
         opening = [
-            {"index": p * req.n + i, "text": e, "logprobs": None, "finish_reason": None,
+            {"index": p * req.n + i, "text": "" if late_echo else e, "logprobs": None,
+             "finish_reason": None,
              **({"prompt_token_ids": gen.prompts[p][1]} if req.return_token_ids else {})}
-            for p, e in enumerate(echo) for i in range(req.n if e or req.return_token_ids else 0)
+            for p, e in enumerate(echo)
+            for i in range(req.n if (e and not late_echo) or req.return_token_ids else 0)
         ]  # fmt: skip
-        offsets = [[len(e)] * req.n for e in echo]
+        offsets = [[0 if late_echo else len(e)] * req.n for e in echo]
+        echoed = [not late_echo] * len(echo)
 
         def choices(p: int, out: RequestOutput):
+            if not echoed[p]:
+                echoed[p] = True
+                lp = self._completion_logprobs(gen.prompts[p][1], gen.prompt_logprobs[p], 0)
+                for i in range(req.n):
+                    offsets[p][i] = sum(len(t) for t in lp["tokens"])
+                    yield {"index": p * req.n + i, "text": echo[p], "logprobs": lp,
+                           "finish_reason": None, "stop_reason": None}  # fmt: skip
             for c in out.outputs:
                 choice = {
                     "index": p * req.n + c.index,
@@ -538,6 +661,7 @@ class OpenAIServer:
         from jaxmamba.chat import render_chat
 
         model = self.check_model(req.model)
+        self.check_options(req)
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template: use "
                            "/v1/completions with token ids", param="messages")  # fmt: skip
@@ -566,13 +690,17 @@ class OpenAIServer:
         if logprobs is not None and not 0 <= logprobs <= 20:
             raise ApiError(400, f"top_logprobs must be an int in [0, 20], got {logprobs}",
                            param="top_logprobs")  # fmt: skip
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                      prompt_logprobs=req.prompt_logprobs)  # fmt: skip
         gen = await self._start(request, [(text, ids)], params, req.n)
         head = {"id": f"chatcmpl-{gen.base_id}", "object": "chat.completion",
                 "created": int(time.time()), "model": model}  # fmt: skip
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            return self._stream(gen, head, req, *self._chat_chunks(req, logprobs))
+            # vLLM sends the prompt's token ids with the opening (role) chunks.
+            opening_fields = {"prompt_token_ids": ids} if req.return_token_ids else None
+            return self._stream(gen, head, req, *self._chat_chunks(req, logprobs),
+                                opening_fields=opening_fields)  # fmt: skip
         await gen.run()
         choices = []
         for i, seq in enumerate(gen.seqs[0]):
@@ -586,7 +714,8 @@ class OpenAIServer:
             if req.return_token_ids:
                 choice["token_ids"] = seq.token_ids
             choices.append(choice)
-        out = {**head, "choices": choices, "usage": gen.usage()}
+        out = {**head, "choices": choices, "usage": gen.usage(),
+               "prompt_logprobs": self.prompt_logprobs_json(gen.prompt_logprobs[0])}  # fmt: skip
         if req.return_token_ids:
             out["prompt_token_ids"] = ids
         return out
@@ -597,10 +726,12 @@ class OpenAIServer:
             text = self.token_text(token, top.get(token))
             ranked = sorted((lp.rank, t, lp) for t, lp in top.items() if lp.rank and lp.rank <= k)
             content.append({
-                "token": text, "logprob": top[token].logprob, "bytes": list(text.encode()),
+                "token": text, "logprob": max(top[token].logprob, MIN_LOGPROB),
+                "bytes": list(text.encode()),
                 "top_logprobs": [
-                    {"token": (s := self.token_text(t, lp)), "logprob": lp.logprob,
-                     "bytes": list(s.encode())} for _, t, lp in ranked
+                    {"token": (s := self.token_text(t, lp)),
+                     "logprob": max(lp.logprob, MIN_LOGPROB), "bytes": list(s.encode())}
+                    for _, t, lp in ranked
                 ],
             })  # fmt: skip
         return {"content": content}
@@ -629,24 +760,27 @@ class OpenAIServer:
         return opening, choices
 
     # -- both routes --------------------------------------------------------------------------
-    async def _start(self, request: Request, prompts, params, n: int) -> _Generation:
+    async def _start(self, request: Request, prompts, params, n: int, *,
+                     hide_output: bool = False) -> _Generation:  # fmt: skip
         """Hand the prompts to the engine; returns once it accepted them (a request it refuses
         raises its 4xx here, before any response starts)."""
-        gen = _Generation(self, request, prompts, params, n)
+        gen = _Generation(self, request, prompts, params, n, hide_output=hide_output)
         await gen.start()
         return gen
 
-    def _stream(self, gen: _Generation, head: dict, req, opening, choices) -> StreamingResponse:
-        """Server-sent events: `opening`'s chunks, a chunk per choice of every delta, the usage
-        (with `stream_options.include_usage`), then `[DONE]`. A failure mid-stream is an
-        error event; a client that leaves aborts the generation."""
+    def _stream(self, gen: _Generation, head: dict, req, opening, choices, *,
+                opening_fields: dict | None = None) -> StreamingResponse:  # fmt: skip
+        """Server-sent events: `opening`'s chunks (with `opening_fields` beside `choices`), a
+        chunk per choice of every delta, the usage (with `stream_options.include_usage`), then
+        `[DONE]`. A failure mid-stream, or a shutdown's grace running out, is an error event; a
+        client that leaves aborts the generation."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk = _Chunks(head, include_usage)
 
         async def events():
             try:
                 for choice in opening:
-                    yield chunk(choice)
+                    yield chunk(choice, opening_fields)
                 async for p, out in gen.outputs():
                     for choice in choices(p, out):
                         yield chunk(choice)
@@ -674,11 +808,16 @@ class _Chunks:
     serializes its choice (this runs once per token per stream)."""
 
     def __init__(self, head: dict, include_usage: bool):
+        self.head, self.include_usage = head, include_usage
         self.prefix = "data: " + json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1]
         self.prefix += ',"choices":['
         self.suffix = '],"usage":null}\n\n' if include_usage else "]}\n\n"
 
-    def __call__(self, choice: dict) -> str:
+    def __call__(self, choice: dict, fields: dict | None = None) -> str:
+        """The chunk of `choice`, with `fields` beside `choices` when given."""
+        if fields:
+            usage = {"usage": None} if self.include_usage else {}
+            return _data({**self.head, "choices": [choice], **usage, **fields})
         return (
             self.prefix
             + json.dumps(choice, ensure_ascii=False, separators=(",", ":"))
@@ -790,17 +929,38 @@ class _Gate:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn serving an `OpenAIServer`. On shutdown it stops accepting and lets open
+    requests run for up to `grace_s` seconds; then the server ends the rest itself (a stream
+    gets an error event and `[DONE]`, a waiting response a 503), so no stream is cut
+    mid-chunk; uvicorn's own cut comes `_CUT_AFTER_GRACE_S` later, for a client that does not
+    read."""
+
+    def __init__(self, server: OpenAIServer, *, grace_s: float, **config):
+        cut_s = grace_s + _CUT_AFTER_GRACE_S
+        super().__init__(uvicorn.Config(server.app, lifespan="on", **config,
+                                        timeout_graceful_shutdown=cut_s))  # fmt: skip
+        self.openai_server, self.grace_s = server, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        message = (f"the server shut down before this request finished (grace period "
+                   f"{self.grace_s:g} s)")  # fmt: skip
+        timer = asyncio.get_running_loop().call_later(
+            self.grace_s, self.openai_server.end_open_requests, message
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def run_server(llm, config: ServerConfig, *, host: str, port: int, grace_s: int = 30,
                log_level: str = "info") -> int:  # fmt: skip
     """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish for up to
-    `grace_s` seconds, cancel the rest (their sequences are aborted), and return 0."""
-    import uvicorn
-
+    `grace_s` seconds, end the rest with an error (their sequences are aborted), and return 0."""
     server = OpenAIServer(llm, config)
-    uv = uvicorn.Server(uvicorn.Config(
-        server.app, host=host, port=port, log_level=log_level, access_log=False,
-        timeout_graceful_shutdown=grace_s, lifespan="on",
-    ))  # fmt: skip
+    uv = GracefulServer(server, grace_s=grace_s, host=host, port=port, log_level=log_level,
+                        access_log=False)  # fmt: skip
     # uvicorn re-raises the signal it caught once it has shut down; with the default handler
     # SIGTERM would then kill the process (exit -15) after a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI's own cap on `n`.
 MAX_N = 128
+# Seeds are int64, as in vLLM.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class ErrorInfo(BaseModel):
@@ -35,6 +37,12 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    # Any type parses, so that the 400 for a structured format names it; only "text" runs.
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
 class _SamplingRequest(_Strict):
     model: str | None = None
     n: int = 1
@@ -42,12 +50,13 @@ class _SamplingRequest(_Strict):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -59,6 +68,9 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     return_token_ids: bool = Field(
         False, description="also return the prompt's and each choice's token ids (vLLM)"
+    )
+    prompt_logprobs: int | None = Field(
+        None, description="the logprob of every prompt token and its top k (vLLM); not streamed"
     )
 
 

@@ -32,8 +32,7 @@ def write_kv(
     flat_shape = (-1,) + pages_shape[2:]
     # Writes into the pad page (padding tokens, filler rows) are dropped, not made: a bucket's
     # padding tokens all map to one slot there, and a scatter with that many copies of an
-    # index serializes on it (H200, a 4,096-token step with ~2,000 padding tokens: 19 ms a
-    # layer for K and again for V, against 20 µs without padding; docs/benchmarks.md).
+    # index serializes on it (19 ms a layer against 20 µs: `bench_throughput.py --profile-from 0`).
     sink = (pages_shape[0] - 1) * pages_shape[1]  # the pad page's first slot
     total = pages_shape[0] * pages_shape[1]
     slots = jnp.where(slot_mapping < sink, slot_mapping, total)  # total: out of range, dropped

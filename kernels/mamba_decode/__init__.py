@@ -6,7 +6,8 @@ The reference (``ref.py``) is the chain it replaces: ``causal_conv1d_update``, t
 its output, ``selective_state_update``, then the checkpoint copies as gathers and scatters of
 whole states. The GPU kernels (``gpu.py``) read the in_proj output by column offset and store
 the checkpoints from registers; the GPU's ``auto`` takes them unless ``use_fused`` says
-otherwise (they are faster than the chain at every measured batch size). There is no TPU
+otherwise (they are faster than the chain at every batch size `bench_mamba_decode.py` times).
+There is no TPU
 kernel: on TPU the op runs that chain with the two ops' Mosaic TPU kernels.
 """
 
@@ -28,9 +29,7 @@ __all__ = ["DecodeLayout", "GpuBlockSizes", "mamba2_decode", "mamba2_decode_ref"
 
 # "0" turns the GPU's `auto` back to the chain of the two ops' kernels (for A/B runs); read
 # at trace time, so a process that flips it must `jax.clear_caches()` (jit reuses its traces).
-# Unset or "1": the fused kernels — on the H200 one layer at 9B shapes takes 0.38 / 0.78 /
-# 0.92 / 0.99 of the chain's time at batch 1 / 32 / 128 / 256 (docs/benchmarks.md, "Fused
-# Mamba decode").
+# Unset or "1": the fused kernels (0.38-0.96 of the chain's time: `bench_mamba_decode.py`).
 FUSED_ENV = "JAXMAMBA_FUSED_MAMBA_DECODE"
 
 

@@ -23,9 +23,8 @@ reason: a group's norm spans 16 heads, 16 programs.
 The checkpoint copies that the unfused path runs as gathers and scatters of whole states
 after the kernels are stores of values already in registers here: each row's checkpoint target
 (``track_by_row``, the pad slot for none) is loaded beside its slot, and a program whose target
-is not the pad slot stores its tiles there too. One target a row, not the step's list of
-copies: scanning the list in every program cost the 9B layer 4 / 9 / 31 µs at batch 32 / 128 /
-256 (``bench_mamba_decode.py --sweep``, docs/benchmarks.md).
+is not the pad slot stores its tiles there too: one target a row, so no program scans the
+step's list of copies.
 """
 
 from __future__ import annotations
@@ -56,11 +55,9 @@ class GpuBlockSizes:
 
     @classmethod
     def get_default(cls, rows: int) -> GpuBlockSizes:
-        """Up to 32 rows the two ops' defaults; above, 1024-channel conv programs (a program
-        also loads the row's checkpoint target, and 256-channel ones spent 13 µs of a 9B
-        layer at batch 256 on it) and half-width state tiles on 2 warps: each alone took that
-        layer from 730 to 718 and 715 µs (``python3 scripts/bench_mamba_decode.py --sweep``
-        on the H200, docs/benchmarks.md)."""
+        """Up to 32 rows the two ops' defaults; above, 1024-channel conv programs (fewer
+        programs load each row's checkpoint target) and half-width state tiles on 2 warps
+        (``python3 scripts/bench_mamba_decode.py --rows 256 --sweep``)."""
         if rows <= 32:
             return cls(UpdateGpuBlockSizes.get_default(), StateGpuBlockSizes.get_default(rows))
         return cls(UpdateGpuBlockSizes(channels=1024, num_warps=4),

@@ -31,9 +31,8 @@ def model_small_m_impl(impl: str, small_m_impl: str | None = None) -> str | None
 
     ``small_m_impl`` None (the default) follows ``impl``: the Pallas GPU kernel where ``impl``
     runs the GPU kernels (``auto``/``pallas`` on CUDA, ``auto_gpu``, ``pallas_gpu``), XLA's
-    dot elsewhere (TPU has no kernel; ``ref`` and ``interpret`` runs keep the plain dot). On
-    the H200 the kernel at its tuned block sizes takes the 9B decode step at batch 1 from
-    6.20 to 4.88 ms and at batch 32 from 8.15 to 7.96 ms (docs/benchmarks.md, issue 17).
+    dot elsewhere (TPU has no kernel; ``ref`` and ``interpret`` runs keep the plain dot):
+    ``bench_engine.py --cases d1 d32 --small-m-impls none auto`` times the two.
     ``"xla"`` asks for XLA's dot; any other value is ``small_m_matmul``'s impl, used as given.
     """
     if small_m_impl == "xla":

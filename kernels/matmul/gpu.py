@@ -81,7 +81,7 @@ def row_class(rows: int) -> int:
 
 
 # (K, N, row class): changes to the defaults that ran fastest for that shape on the H200
-# (``scripts/bench_matmul.py --sweep`` at M = 1 and 32; docs/benchmarks.md, issue 17), for
+# (``scripts/bench_matmul.py --sweep`` at M = 1 and 32; docs/benchmarks.md), for
 # Nemotron-Nano-9B-v2's decode projections: in_proj, out_proj, MLP up and down. The class
 # 2..16 has no entry: at batch 16 the defaults and XLA's dot take the same step time.
 TUNED: dict[tuple[int, int, int], dict] = {

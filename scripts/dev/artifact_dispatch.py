@@ -1,6 +1,6 @@
 """The host cost of dispatching an artifact's decode step: the call of the exported step with
-the host `StepInputs` arrays as they are, against one `jax.device_put` of the list first (what
-`ArtifactRunner.step` did before). Exports a small `nemotron-h-tiny` artifact on first use.
+the host `StepInputs` arrays as they are, against one `jax.device_put` of the list first.
+Exports a small `nemotron-h-tiny` artifact on first use.
 
     python scripts/dev/artifact_dispatch.py --artifact /tmp/art32 --rows 32
 """

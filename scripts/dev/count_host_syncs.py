@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.extend
 import numpy as np
 
 from jaxmamba import LLM, SamplingParams
-from jaxmamba.bench import load_trace_events
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: trace_summary
+from trace_summary import load_trace_events  # noqa: E402
 
 CALLBACKS = ("callback", "infeed", "outfeed")
 SYNC_MARKERS = ("Synchronize", "MemcpyDtoH", "Memcpy DtoH", "memcpy_d2h", "DeviceToHost")

@@ -18,8 +18,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from jaxmamba import ModelConfig  # noqa: E402
 from jaxmamba.engine.runner import ModelRunner  # noqa: E402
+from jaxmamba.model.families import config_from_preset  # noqa: E402
 from jaxmamba.model.params import init_params  # noqa: E402
 
 from model_helpers import make_runner, prefill_logits, row  # noqa: E402
@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tol", type=float, default=2e-3, help="relative to the logits' scale")
     args = p.parse_args()
-    cfg = ModelConfig.from_preset(args.model)
+    cfg = config_from_preset(args.model)
     cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[: args.layers])
     dtype = jnp.dtype(args.dtype)
     params = init_params(cfg, dtype, seed=0)

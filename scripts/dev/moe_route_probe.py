@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_moe  # noqa: E402
 
 import jaxmamba.model.moe as moe  # noqa: E402
-from jaxmamba import ModelConfig, bench  # noqa: E402
+from jaxmamba import bench  # noqa: E402
+from jaxmamba.model.families import load_config  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     p.add_argument("--shrink", action="store_true")
     p.add_argument("--batch", type=int, default=32)
     args = p.parse_args()
-    cfg = ModelConfig.load(args.model)
+    cfg = load_config(args.model)
     if args.shrink:
         cfg = bench_moe.shrink(cfg)
     seen: list[tuple[np.ndarray, bool]] = []

@@ -3,7 +3,7 @@
 `torch.profiler`. A decode step is captured in a CUDA graph as the anchor times it and
 replayed; a prefill step runs eagerly, as the anchor times it (after the anchor's SSD autotune
 call). Prints kernels a step, busy and span, and every kernel's calls and µs a step, grouped
-by name (the same table `jaxmamba.bench.format_trace_summary` prints for our step).
+by name (the same table `scripts/trace_summary.py: format_trace_summary` prints for our step).
 
     python3 scripts/dev/profile_peer.py --peer-dir .anchors --batch 32 256 --prefill 1x2048 \
         --json $OUT/peer_profile.json
@@ -18,8 +18,10 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
-from jaxmamba.bench import format_trace_summary, kernel_table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: trace_summary
+from trace_summary import format_trace_summary, kernel_table  # noqa: E402
 
 
 def profile_graph(torch, replay, replays: int) -> dict:

@@ -45,12 +45,12 @@ def main() -> None:
 
     from bench_cold_start import random_params
 
-    from jaxmamba.config import ModelConfig
     from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
     from jaxmamba.engine.runner import ModelRunner
     from jaxmamba.model.cache import CacheSpec
+    from jaxmamba.model.families import load_config
 
-    cfg = ModelConfig.load(args.model)
+    cfg = load_config(args.model)
     params = random_params(args.model, "bfloat16")
     page = 16
     pages_per_seq = -(-(args.context + args.steps + 1) // page)

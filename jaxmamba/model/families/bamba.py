@@ -4,8 +4,8 @@ each head), then a SwiGLU MLP, each pre-norm residual — two of our layers. HF:
 
 from __future__ import annotations
 
+import jaxmamba.model.families.common as common
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import Family, common
 
 
 def from_hf(c: dict, name: str) -> ModelConfig:
@@ -64,6 +64,6 @@ def param_map(cfg: ModelConfig) -> list[common.Entry]:
     return plan + common.lm_head(cfg)
 
 
-FAMILY = Family(
+FAMILY = common.Family(
     model_type="bamba", architecture="BambaForCausalLM", from_hf=from_hf, param_map=param_map
 )

@@ -1,5 +1,6 @@
-"""What the family modules share: reading HF config.json values, and the parameter-map entries
-(HF tensor name and shape -> our param path, with the transform between layouts). Host side.
+"""What the family modules share: the `Family` record, reading HF config.json values, and the
+parameter-map entries (HF tensor name and shape -> our param path, with the transform between
+layouts). Host side.
 
 Our param tree (E hidden, V vocab, F MLP width, K conv width, X experts):
 
@@ -17,12 +18,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
 from jaxmamba.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # the HF `architectures[0]` of its causal LM
+    from_hf: Callable[[dict, str], ModelConfig]  # config.json dict, name -> ModelConfig
+    param_map: Callable[[ModelConfig], list[Entry]]
+    # Prefixes of the base model in checkpoints, tried in order; the first is what we write.
+    base_prefixes: tuple[str, ...] = ("model.", "")
+    # ModelConfig -> config.json dict, for writing checkpoints (None: not implemented).
+    to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
+
 
 # ----------------------------------------------------------------------------------------
 # HF config.json values
@@ -49,6 +63,30 @@ def token_id(config: dict, key: str, default: int | None) -> int | None:
     if isinstance(value, list):
         value = value[0] if value else None
     return value
+
+
+def token_ids(config: dict, key: str, source: str) -> list[int]:
+    """Every id of `key`: an int, a list of ints, or absent/null."""
+    value = config.get(key)
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(
+                f"{source} {key}={value!r} is invalid: expected an int or a list of ints"
+            )
+    return values
+
+
+def with_eos_ids(cfg: ModelConfig, *sources: tuple[str, dict]) -> ModelConfig:
+    """`cfg` stopping on every eos id that the `(name, config)` sources list, in order; the
+    first leads. Without any, `cfg` keeps its architecture's default eos id."""
+    eos_ids = [i for name, config in sources for i in token_ids(config, "eos_token_id", name)]
+    if not eos_ids:
+        return cfg
+    eos_ids = list(dict.fromkeys(eos_ids))
+    return replace(cfg, eos_token_id=eos_ids[0], eos_token_ids=tuple(eos_ids))
 
 
 def require(config: dict, key: str, allowed: tuple, default: Any) -> Any:
@@ -501,12 +539,16 @@ def rotary_factor(rope_dim: int, head_dim: int) -> float:
 
 
 def checked_hf_config(
-    cfg: ModelConfig, hf: dict[str, Any], inert: tuple[str, ...] = ()
+    cfg: ModelConfig,
+    hf: dict[str, Any],
+    from_hf: Callable[[dict, str], ModelConfig],
+    inert: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """`hf`, the config.json written for `cfg`, after checking that it reads back as `cfg`:
-    raises naming the first field the HF config cannot express. `inert` fields (that HF has
-    no key for, and the model does not read for this family) are not compared."""
-    back = ModelConfig.from_hf_config(hf)
+    """`hf`, the config.json written for `cfg`, after checking that the family's `from_hf`
+    reads it back as `cfg`: raises naming the first field the HF config cannot express.
+    `inert` fields (that HF has no key for, and the model does not read for this family) are
+    not compared."""
+    back = with_eos_ids(from_hf(hf, ""), ("HF config", hf))
     for f in fields(cfg):
         if f.name not in ("name", *inert) and getattr(back, f.name) != getattr(cfg, f.name):
             raise ValueError(

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import jaxmamba.model.families.common as common
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import Family, common
 
 _FLOAT_MULTIPLIERS = ("ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier",
                       "attention_out_multiplier", "key_multiplier")  # fmt: skip
@@ -117,7 +117,7 @@ def _rescale_bias(e: common.Entry, mup: np.ndarray) -> common.Entry:
                         e.fp32)  # fmt: skip
 
 
-FAMILY = Family(
+FAMILY = common.Family(
     model_type="falcon_h1",
     architecture="FalconH1ForCausalLM",
     from_hf=from_hf,

@@ -6,8 +6,8 @@ when `num_local_experts` is 0. Embedding, residual and logits multipliers (µP).
 
 from __future__ import annotations
 
+import jaxmamba.model.families.common as common
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import Family, common
 
 _MIXERS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
            "full_attention": "attention"}  # fmt: skip
@@ -105,7 +105,7 @@ def param_map(cfg: ModelConfig) -> list[common.Entry]:
     return plan + common.lm_head(cfg)
 
 
-FAMILY = Family(
+FAMILY = common.Family(
     model_type="granitemoehybrid",
     architecture="GraniteMoeHybridForCausalLM",
     from_hf=from_hf,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import jaxmamba.model.families.common as common
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import Family, common
 
 
 def from_hf(c: dict, name: str) -> ModelConfig:
@@ -79,7 +79,7 @@ def param_map(cfg: ModelConfig) -> list[common.Entry]:
     return plan + common.lm_head(cfg)
 
 
-FAMILY = Family(
+FAMILY = common.Family(
     model_type="mamba2",
     architecture="Mamba2ForCausalLM",
     from_hf=from_hf,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
+import jaxmamba.model.families.common as common
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import Family, common
 
 # Every spelling of a layer type in HF configs: transformers 5 names, legacy names and the
 # single-character `hybrid_override_pattern` codes.
@@ -182,7 +182,7 @@ def _moe(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> list[common.Entry]:
     ]  # fmt: skip
 
 
-FAMILY = Family(
+FAMILY = common.Family(
     model_type="nemotron_h",
     architecture="NemotronHForCausalLM",
     from_hf=from_hf,

@@ -12,8 +12,9 @@ whose tensors live under `model.language_model.`; the loader skips the vision to
 
 from __future__ import annotations
 
+import jaxmamba.model.families.common as common
+import jaxmamba.model.families.qwen3_next as qwen3_next
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import Family, common, qwen3_next
 
 # Qwen3_5TextConfig's and Qwen3_5MoeTextConfig's defaults, for keys a config.json leaves out.
 _LINEAR = dict(
@@ -62,6 +63,7 @@ def text_to_hf(cfg: ModelConfig) -> dict:
             **qwen3_next.text_hf_keys(cfg),
             "intermediate_size": cfg.intermediate_size,
         },
+        text_from_hf,
         qwen3_next.inert(cfg),
     )
 
@@ -75,11 +77,12 @@ def moe_text_to_hf(cfg: ModelConfig) -> dict:
             **qwen3_next.text_hf_keys(cfg),
             **qwen3_next.moe_hf_keys(cfg),
         },
+        moe_text_from_hf,
         qwen3_next.inert(cfg),
     )
 
 
-def _multimodal_from_hf(text: Family):
+def _multimodal_from_hf(text: common.Family):
     """The config adapter of a multimodal checkpoint: its `text_config`, read by `text`."""
 
     def from_hf(c: dict, name: str) -> ModelConfig:
@@ -113,7 +116,7 @@ def _in_proj(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> common.Entry:
 
 param_map = qwen3_next.param_map_with(_in_proj)
 
-TEXT = Family(
+TEXT = common.Family(
     model_type="qwen3_5_text",
     architecture="Qwen3_5ForCausalLM",
     from_hf=text_from_hf,
@@ -121,7 +124,7 @@ TEXT = Family(
     base_prefixes=_BASE_PREFIXES,
     to_hf=text_to_hf,
 )
-MOE_TEXT = Family(
+MOE_TEXT = common.Family(
     model_type="qwen3_5_moe_text",
     architecture="Qwen3_5MoeForCausalLM",
     from_hf=moe_text_from_hf,
@@ -131,14 +134,14 @@ MOE_TEXT = Family(
 )
 # Config adapters only: they return the text model's ModelConfig (model_type qwen3_5_text or
 # qwen3_5_moe_text), which is what the loader and the model see.
-MULTIMODAL = Family(
+MULTIMODAL = common.Family(
     model_type="qwen3_5",
     architecture="Qwen3_5ForConditionalGeneration",
     from_hf=_multimodal_from_hf(TEXT),
     param_map=param_map,
     base_prefixes=("model.language_model.", "model.", ""),
 )
-MOE_MULTIMODAL = Family(
+MOE_MULTIMODAL = common.Family(
     model_type="qwen3_5_moe",
     architecture="Qwen3_5MoeForConditionalGeneration",
     from_hf=_multimodal_from_hf(MOE_TEXT),

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+import jaxmamba.model.families.common as common
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.families import Family, common
 
 _MIXERS = {"linear_attention": "gdn", "full_attention": "attention"}
 _HF_MIXERS = {v: k for k, v in _MIXERS.items()}
@@ -234,6 +234,7 @@ def to_hf(cfg: ModelConfig) -> dict:
             if cfg.num_experts
             else [],
         },
+        from_hf,
         inert(cfg),
     )
 
@@ -284,7 +285,7 @@ def param_map_with(
     return param_map
 
 
-FAMILY = Family(
+FAMILY = common.Family(
     model_type="qwen3_next",
     architecture="Qwen3NextForCausalLM",
     from_hf=from_hf,

@@ -1,0 +1,201 @@
+"""The engine step as pure functions of pytrees, on device: `step_fn` (forward, sample at
+each row's last token, remember the samples), its side programs `score_fn` (prompt logprobs)
+and `fork_fn` (n > 1 state copies), and `logits_fn` (every token's logits). The runners
+(`jaxmamba.engine.runner`, `jaxmamba.export`) dispatch them; `jaxmamba.parallel.step` runs
+the same functions over a mesh.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxmamba.config import ModelConfig
+from jaxmamba.model.cache import StateCache
+from jaxmamba.model.metadata import ForwardMetadata, PackedStepInputs
+from jaxmamba.model.sampling import (
+    Penalties,
+    PenaltyState,
+    SampleOutput,
+    init_penalty_state,
+    prompt_logprobs,
+    record_tokens,
+    sample,
+)
+from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
+
+if TYPE_CHECKING:  # the model is a static argument: serving an exported artifact runs the
+    # engine without importing the model code
+    from jaxmamba.model.model import Mamba2HybridLM
+
+
+class SlotState(NamedTuple):
+    """What the sampler keeps per state slot between steps, on device, and the hidden states
+    the last step with prefill rows leaves for `score_fn`."""
+
+    last_tokens: jax.Array  # i32[S+1] the slot's last sampled token (fed to its next decode)
+    penalties: PenaltyState  # prompt tokens and output counts, [S+1, V]
+    # [MAX_PROMPT_LOGPROB_TOKENS, E] model dtype: at the prefill tokens that ask for
+    # prompt_logprobs (`prompt_tokens_to_score`), in step order; padding repeats a position
+    prompt_hidden: jax.Array
+
+
+def init_slot_state(cfg: ModelConfig, spec: CacheSpec, dtype) -> SlotState:
+    """A runner's first `SlotState` (under `jax.eval_shape`: its shapes)."""
+    return SlotState(
+        jnp.zeros(spec.num_slots + 1, jnp.int32),
+        init_penalty_state(spec.num_slots, cfg.vocab_size),
+        jnp.zeros((MAX_PROMPT_LOGPROB_TOKENS, cfg.hidden_size), dtype),
+    )
+
+
+def pack_sample_output(out: SampleOutput) -> jax.Array:
+    """One `i32[B, 3 + 2 * MAX_LOGPROBS]` array per step (the one device→host transfer): the
+    sampled token, its logprob, its rank, the top token ids and their logprobs; the float
+    logprobs are bit-cast to int32, the ids are stored as they are."""
+    as_i32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+    columns = [out.tokens[:, None], as_i32(out.logprobs)[:, None], out.ranks[:, None]]
+    return jnp.concatenate([*columns, out.top_ids, as_i32(out.top_logprobs)], axis=-1)
+
+
+def build_metadata(model: Mamba2HybridLM, spec: CacheSpec, inputs: StepInputs, num_decode: int):
+    return ForwardMetadata.build(
+        inputs,
+        num_decode=num_decode,
+        chunk_size=model.cfg.chunk_size,
+        page_size=spec.page_size,
+        pad_page=spec.pad_page,
+        pad_slot=spec.pad_slot,
+    )
+
+
+def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> jax.Array:
+    if num_decode == 0:
+        return inputs.input_ids
+    decode_ids = jnp.where(
+        inputs.tokens_from_device[:num_decode],
+        last_tokens[inputs.state_slots[:num_decode]],
+        inputs.input_ids[:num_decode],
+    )
+    return inputs.input_ids.at[:num_decode].set(decode_ids)
+
+
+# Traces (= compilations) of the jitted step per (model, cache spec) in this process.
+TRACE_COUNTS: Counter = Counter()
+
+# The sampler variants of a step (its static `sampler` argument): FULL samples any mix of
+# parameters and returns the top logprobs; PLAIN has neither the cut-off's sort nor the top
+# logprobs (zeros), for a decode step where no row filters or asks for them; GREEDY is the
+# argmax of the biased logits and the token's logprob, for a decode step of greedy rows
+# without penalties where no row asks for logprobs (ranks and top logprobs are zeros) — vLLM's
+# all-greedy path (0.07-0.45 ms off a 9B decode step: `bench_engine.py --plain-sampler-too`).
+FULL, PLAIN, GREEDY = "full", "plain", "greedy"
+
+
+def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
+            num_decode, sampler: str = FULL):  # fmt: skip
+    """One engine step: forward, sample at each row's last token, remember the samples.
+
+    The packed output has a row per step row. A bucket with prefill rows also keeps the
+    hidden states of the prefill tokens that ask for prompt_logprobs (`SlotState.
+    prompt_hidden`, for `score_fn`); forks' state copies are `fork_fn`'s."""
+    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
+    if isinstance(inputs, PackedStepInputs):
+        inputs = inputs.unpack()
+    meta = build_metadata(model, spec, inputs, num_decode)
+    input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
+    hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
+    num_rows = inputs.state_slots.shape[0]
+    prompt_hidden = slot_state.prompt_hidden
+    if inputs.prompt_logprob_targets is not None and num_rows > num_decode:
+        positions = prompt_tokens_to_score(inputs.prompt_logprob_targets, num_decode)
+        prompt_hidden = hidden[positions].astype(prompt_hidden.dtype)
+    logits = model.apply({"params": params}, hidden[meta.last_token_index], method="logits")
+    slots = inputs.state_slots
+    seen = record_tokens(
+        slot_state.penalties, input_ids, meta.token_rows, meta.token_valid, slots,
+        inputs.penalty_reset, num_decode=num_decode, pad_slot=spec.pad_slot,
+    )  # fmt: skip
+    if num_rows > num_decode and inputs.fork_src_slots is not None:
+        # n > 1: the forked samples see the prompt as their own from this step on
+        src, dst = inputs.fork_src_slots, inputs.fork_dst_slots
+        seen = PenaltyState(
+            seen.prompt_mask.at[dst].set(seen.prompt_mask[src]),
+            seen.output_counts.at[dst].set(seen.output_counts[src]),
+        )
+    penalties = None
+    if sampler != GREEDY:  # the [B, V] gathers: GREEDY steps have no penalised row
+        penalties = Penalties(
+            seen.prompt_mask[slots], seen.output_counts[slots], inputs.presence_penalty,
+            inputs.frequency_penalty, inputs.repetition_penalty,
+        )  # fmt: skip
+    out = sample(
+        logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
+        inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
+        inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
+        cutoff=sampler == FULL, top_logprobs=sampler == FULL, draw=sampler != GREEDY,
+        ranks=sampler != GREEDY,
+    )  # fmt: skip
+    last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
+    return pack_sample_output(out), cache, SlotState(last_tokens, seen, prompt_hidden)
+
+
+def prompt_tokens_to_score(
+    targets: jax.Array,  # i32[T] next prompt token where prompt_logprobs is asked, else -1
+    num_decode: int,
+) -> jax.Array:
+    """i32[MAX_PROMPT_LOGPROB_TOKENS]: the step positions of the prefill tokens that ask for
+    prompt_logprobs, in order (the scheduler keeps their count within the width); padding
+    repeats the first prefill position. `asked_targets` lists the same tokens' targets."""
+    (index,) = jnp.nonzero(targets[num_decode:] >= 0, size=MAX_PROMPT_LOGPROB_TOKENS,
+                           fill_value=0)  # fmt: skip
+    return num_decode + index
+
+
+def score_fn(params, prompt_hidden: jax.Array, targets: jax.Array, *, model, spec) -> jax.Array:
+    """vLLM's prompt logprobs of the tokens a step kept (`SlotState.prompt_hidden`), packed as
+    the samples are: `i32[W, 3 + 2 * MAX_LOGPROBS]`, per token its target (the next prompt
+    token; -1 for padding), its logprob and rank, and the top ids and logprobs."""
+    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
+    logits = model.apply({"params": params}, prompt_hidden, method="logits")
+    p = prompt_logprobs(logits, targets)
+    return pack_sample_output(SampleOutput(targets, p.logprobs, p.ranks, p.top_ids,
+                                           p.top_logprobs))  # fmt: skip
+
+
+def fork_fn(cache: StateCache, src_slots, dst_slots, src_pages, dst_pages, *, model=None,
+            spec=None) -> StateCache:  # fmt: skip
+    """n > 1: copy a prompt's end state into its other samples' slots, and its partial last
+    KV page into theirs, after the step that ends the prompt (unused entries: the pad slot
+    and page onto themselves). `model` and `spec` only count its compilations."""
+    TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
+    copy = lambda pool, src, dst: pool.at[dst].set(pool[src])  # noqa: E731
+    return StateCache(
+        tuple(copy(c, src_slots, dst_slots) for c in cache.conv),
+        tuple(copy(c, src_slots, dst_slots) for c in cache.ssm),
+        tuple(copy(k, src_pages, dst_pages) for k in cache.k_pages),
+        tuple(copy(v, src_pages, dst_pages) for v in cache.v_pages),
+    )
+
+
+def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
+    TRACE_COUNTS[(model, spec)] += 1
+    meta = build_metadata(model, spec, inputs, num_decode)
+    return model.apply({"params": params}, inputs.input_ids, cache, meta, method="forward_logits")
+
+
+# Module-level jits with the model and cache spec static: every runner of the same model
+# and cache shape (several `LLM`s, tests) shares one compiled executable per bucket.
+jitted_step = jax.jit(
+    step_fn,
+    static_argnames=("model", "spec", "num_decode", "sampler"),
+    donate_argnames=("cache", "slot_state"),
+)
+jitted_logits = jax.jit(
+    logits_fn, static_argnames=("model", "spec", "num_decode"), donate_argnames=("cache",)
+)
+jitted_score = jax.jit(score_fn, static_argnames=("model", "spec"))
+jitted_fork = jax.jit(fork_fn, static_argnames=("model", "spec"), donate_argnames=("cache",))
