@@ -89,9 +89,7 @@ class GatedDeltaNetMixer(nn.Module):
         dt_bias = self.param(
             "dt_bias", nn.with_logical_partitioning(nn.initializers.ones, ("gdn_heads",)), (hv,)
         )
-        a_log = self.param(
-            "A_log", nn.with_logical_partitioning(a_log_init, ("gdn_heads",)), (hv,)
-        )
+        a_log = self.param("A_log", nn.with_logical_partitioning(a_log_init, ("gdn_heads",)), (hv,))
 
         outputs = []
         bd = 0 if meta.decode is None else meta.decode.state_slots.shape[0]  # decode tokens
