@@ -231,10 +231,18 @@ def count_params(params) -> int:
 # output directory (host)
 
 
+# The vocabulary has no role tokens (the model saw only Python source): roles are comment lines.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}# {{ message['role'] }}: "
+    "{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n\n{% endif %}"
+)
+
+
 def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
     """tokenizer.json whose ids are the UTF-8 byte values, then <s>, </s>, <pad>, and unused
     specials up to the model's vocab; its post-processor prepends <s> as the training rows
-    do; plus tokenizer_config.json naming bos/eos/pad."""
+    do; plus tokenizer_config.json naming bos/eos/pad and the chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -261,6 +269,7 @@ def write_tokenizer(out: Path, cfg: ModelConfig) -> None:
                 "pad_token": "<pad>",
                 "add_bos_token": True,
                 "model_max_length": 2048,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )
