@@ -297,6 +297,8 @@ readable text out of the box. It writes Python-like code and knows nothing else.
   attention {q_heads} query / {kv_heads} KV heads x {head_dim}; MLP {mlp} (relu²).
 * Vocabulary: ids 0..255 are UTF-8 bytes, 256 `<s>`, 257 `</s>`, 258 `<pad>`, 259..{last}
   unused (`tokenizer.json` maps them so).
+* Chat template (`tokenizer_config.json`): `<s>`, then each message as a
+  line `# <role>: <content>`, then `# assistant:` and a blank line.
 * Data: the `*.py` sources of the Python {python} standard library ({source}), test
   suites excluded: {train_files} files ({train_mb:.1f} MB) for training; every {every}th file
   by sorted path ({held_files} files, {held_mb:.2f} MB) held out. The Python standard library is
