@@ -1,4 +1,5 @@
-"""jaxmamba: a JAX/XLA serving engine for Mamba2 hybrid language models."""
+"""jaxmamba: a JAX/XLA serving engine for hybrid language models with recurrent layers (Mamba2,
+Gated DeltaNet)."""
 
 import logging
 from pathlib import Path
