@@ -3,14 +3,18 @@ platform's Pallas kernels (``impl="auto"``) as with the jnp references (``impl="
 
     python scripts/gpu_sanity.py
 
-Prints the share of requests whose tokens are identical; on a CPU both runs take the
-references, so it says 100 % and checks nothing.
+Prints the share of requests whose tokens are identical and exits 1 when fewer than
+``--min-agreement`` (default: all) are: a greedy token flips only where two logits tie within
+the kernels' rounding, which random weights make rare. On a CPU both runs take the
+references, so it checks nothing and says so. tests/gpu/ (docs/testing.md) is the fuller check.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
+import jax
 import numpy as np
 
 from jaxmamba import LLM, SamplingParams
@@ -27,10 +31,20 @@ def greedy_tokens(impl: str) -> list[list[int]]:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--min-agreement", type=float, default=1.0,
+                   help="the least share of identical requests that passes")  # fmt: skip
+    args = p.parse_args()
     ref, auto = greedy_tokens("ref"), greedy_tokens("auto")
-    agree = np.mean([a == b for a, b in zip(ref, auto, strict=True)])
-    print(f"tiny model greedy tokens, pallas (auto) vs ref: {agree:.0%} of requests identical")
+    same = [a == b for a, b in zip(ref, auto, strict=True)]
+    print(f"tiny model greedy tokens, pallas (auto) vs ref: {np.mean(same):.0%} of requests "
+          f"identical")  # fmt: skip
+    if jax.default_backend() == "cpu":
+        print("on CPU both runs take the references: nothing was checked")
+    if np.mean(same) < args.min_agreement:
+        differ = [i for i, s in enumerate(same) if not s]
+        print(f"FAILED: requests {differ} differ", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

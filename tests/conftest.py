@@ -1,17 +1,27 @@
 """Set-up shared by every test module."""
 
 import gc
+import importlib.util
 import os
 import shutil
 import tempfile
 
+# A CUDA plugin is installed and not turned off: the backend will be the GPU (decided before
+# jax starts its backend, which the settings below must precede).
+_CUDA = os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu") and any(
+    importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")
+)
 # XLA:CPU compiles with LLVM at -O0 in tests: the suite's time is mostly XLA compiling the
 # steps of small random models (each bucket a program, seconds apiece), and the backend's
 # optimisation level changes how fast the code runs, not what it computes. It roughly halves
 # each compile. Set before jax starts its backend; subprocesses the tests start inherit it.
+# Not on a GPU, whose kernels are compiled by the same LLVM and should be what a server runs.
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
-if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+if not _CUDA and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+# The xdist workers share one GPU: each takes memory as it needs it, not 75 % of it up front.
+if _CUDA:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -47,11 +57,27 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu-full",
+        action="store_true",
+        help="tests/gpu: every preset, float32 and the other block-size regimes, not only the "
+        "default selection (JAXMAMBA_GPU_TIER=full does the same)",
+    )
+
+
 def pytest_configure(config):
     """One persistent compilation cache for the whole run, empty at its start and shared by
     the xdist workers (and the subprocesses tests start), set up before the first compile:
     a step compiled in one test file is then read back, not compiled again, wherever the
     same program recurs. Its being empty keeps local runs as cold as CI's."""
+    config.addinivalue_line(
+        "markers",
+        "cpu_only(reason): asserts what holds on CPU alone (impl='auto' is the reference, "
+        "impl='pallas' raises, host memory sizes the cache); skipped on other backends",
+    )
+    if config.getoption("--gpu-full"):  # read by tests/gpu/gpu_tier.py at collection
+        os.environ["JAXMAMBA_GPU_TIER"] = "full"
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config._jaxmamba_cache = tempfile.mkdtemp(prefix="jaxmamba-test-xla-")
         os.environ[_CACHE_ENV] = config._jaxmamba_cache
@@ -70,6 +96,11 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order inside a file and among the rest is kept
+    if jax.default_backend() != "cpu":
+        for item in items:
+            if item.get_closest_marker("cpu_only"):
+                why = f"asserts CPU behaviour; the backend is {jax.default_backend()}"
+                item.add_marker(pytest.mark.skip(reason=why))
 
 
 def pytest_unconfigure(config):

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+
+import httpx
 
 from jaxmamba.serve.api_server import GracefulServer, OpenAIServer, ServerConfig
 
@@ -42,3 +48,37 @@ def sse_events(lines) -> list:
             payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], env: dict[str, str] | None = None, timeout_s: float = 180):
+    """`jaxmamba serve ARGS --port P` as its own process, yielded as (process, url) once
+    /health answers; killed on exit if it still runs. Its output (stdout and stderr) is the
+    assertion message when it dies early."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxmamba.cli", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=None if env is None else {**os.environ, **env})  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 
 from hf_fixtures import make_nemotron_h_checkpoint
+from hf_oracle import hf_greedy, hf_model_of
 
 TINY = "nemotron-h-tiny"
 
@@ -57,38 +60,73 @@ def assert_nothing_leaks(llm):
         assert scheduler.prefix_cache.num_nodes == 0
 
 
+@contextlib.contextmanager
+def counting_device_reads(llm):
+    """Counts the distinct jax arrays whose values are copied to the host (every such read,
+    `jax.device_get`, `np.asarray`, `.tolist()` or `int()`, goes through `ArrayImpl._value`),
+    and the steps dispatched to the runner."""
+    from jax._src.array import ArrayImpl
+
+    read: dict[int, jax.Array] = {}  # held, so that no id is reused
+    counts = {"arrays_read": 0, "steps_dispatched": 0}
+    value = ArrayImpl._value.fget
+    runner = llm.engine.runner
+    step = runner.step
+
+    def counted_value(self):
+        read.setdefault(id(self), self)
+        counts["arrays_read"] = len(read)
+        return value(self)
+
+    def counted_step(*args, **kwargs):
+        counts["steps_dispatched"] += 1
+        return step(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ArrayImpl, "_value", property(counted_value))
+        mp.setattr(runner, "step", counted_step)
+        yield counts
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_params, tmp_path_factory):
+    """HF transformers on the tiny preset's weights: the oracle of its greedy tokens."""
+    return hf_model_of(tiny_params, config_from_preset(TINY), tmp_path_factory.mktemp("tiny"))
+
+
 @pytest.fixture(scope="module", params=["tiny", "hf"])
-def model_and_params(request, tmp_path_factory, tiny_params):
+def model_and_params(request, tmp_path_factory, tiny_params, tiny_hf):
+    """(model, params, the HF transformers model of the same weights)."""
     if request.param == "tiny":
-        return TINY, tiny_params
-    path, _ = make_nemotron_h_checkpoint(tmp_path_factory.mktemp("hf"), pattern="M*-M-", seed=5)
-    return str(path), None
+        return TINY, tiny_params, tiny_hf
+    path, hf = make_nemotron_h_checkpoint(tmp_path_factory.mktemp("hf"), pattern="M*-M-", seed=5)
+    return str(path), None, hf
 
 
-def test_16_requests_through_4_rows_match_each_request_alone(model_and_params):
-    model, params = model_and_params
-    kw = dict(max_num_batched_tokens=64, **SHAPES)
-    llm = LLM(model, params=params, **kw)
-    alone_llm = LLM(model, params=params, **kw, enable_prefix_caching=False)
+def test_16_requests_through_4_rows_match_hf_greedy_of_each(model_and_params):
+    model, params, hf = model_and_params
+    llm = LLM(model, params=params, max_num_batched_tokens=64, **SHAPES)
     if params is None:  # the HF model's programs are all its own: a shorter ladder, 10 not 18
-        for engine_llm in (llm, alone_llm):
-            engine_llm.engine.scheduler.use_buckets(decode=[1, 4], tokens=[32, 64])
+        llm.engine.scheduler.use_buckets(decode=[1, 4], tokens=[32, 64])
     vocab = min(llm.model_cfg.vocab_size, 256)
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 90, size=16)
     prompts = prompts_of(lengths, seed=1, vocab=vocab)
     sps = [greedy(int(n)) for n in rng.integers(1, 9, size=16)]
-    together = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=sps))
+    with counting_device_reads(llm) as counts:
+        together = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=sps))
     stats = llm.stats()
     assert stats["mixed_steps"] > 0 and stats["decode_steps"] > 0  # continuous batching mixed
-    assert stats["device_reads"] == stats["steps"]  # one device→host read per step
+    # One device→host read per step: the arrays whose values reached the host, counted where
+    # jax makes the copy, against the steps the runner dispatched.
+    assert counts["arrays_read"] == counts["steps_dispatched"] == stats["steps"] > 0
+    assert stats["device_reads"] == counts["arrays_read"]
     for prompt, sp, got in zip(prompts, sps, together, strict=True):
-        (alone,) = alone_llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
-        assert got == alone.outputs[0].token_ids
+        assert got == hf_greedy(hf, prompt, sp.max_tokens)[0]
     assert_nothing_leaks(llm)
 
 
-def test_chunked_prefill_matches_unchunked(tiny_params):
+def test_chunked_prefill_matches_unchunked_and_hf(tiny_params, tiny_hf):
     # A 16- and a 64-token budget (shared by a step's rows) cut the prompts, two of them near
     # max_model_len, at different places; the 64 one prefills the short ones whole when they
     # get a step to themselves. Against one whole prefill of each prompt, at the step level:
@@ -98,7 +136,7 @@ def test_chunked_prefill_matches_unchunked(tiny_params):
     big = tiny_llm(tiny_params, max_num_batched_tokens=64)
     a = token_ids(small.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
     b = token_ids(big.generate(prompt_token_ids=prompts, sampling_params=greedy(8)))
-    assert a == b
+    assert a == b == [hf_greedy(tiny_hf, p, 8)[0] for p in prompts]
     assert small.stats()["steps"] > big.stats()["steps"]
 
 
@@ -123,6 +161,34 @@ def test_prefix_cache_hit_reuses_checkpoint_and_matches_cache_off(tiny_params):
         ref = off.generate(prompt_token_ids=[prompt], sampling_params=greedy(8))[0]
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert on.stats()["prefix_cache_hit_rate"] > 0
+    assert_nothing_leaks(on)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(tiny_params):
+    """A prompt sent twice, with a checkpoint at every block of it (16-token chunks): the
+    second lookup stops at the last block boundary before the prompt's last token, so that
+    token is computed again and its logits give the first sample, which is then the same
+    token, with the same logprob, as with caching off."""
+    block = 16  # lcm(chunk_size 16, page_size 16) of the tiny preset
+    on = tiny_llm(tiny_params, max_num_batched_tokens=16)
+    off = tiny_llm(tiny_params, max_num_batched_tokens=16, enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def sampled_logprobs(c):
+        return [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+
+    for n in (64, 16, 41):
+        (prompt,) = prompts_of([n], seed=20 + n)
+        first, again = (on.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
+                        for _ in range(2))  # fmt: skip
+        (ref,) = off.generate(prompt_token_ids=[prompt], sampling_params=sp)
+        assert first.num_cached_tokens == 0
+        assert again.num_cached_tokens == (n - 1) // block * block
+        for out in (first, again):
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            np.testing.assert_allclose(
+                sampled_logprobs(out.outputs[0]), sampled_logprobs(ref.outputs[0]), atol=1e-5
+            )
     assert_nothing_leaks(on)
 
 

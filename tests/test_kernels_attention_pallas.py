@@ -202,6 +202,7 @@ def test_query_blocks_cover_each_token_once_with_one_row_per_block(tokens_per_bl
         np.testing.assert_array_equal(covered, 1)
 
 
+@pytest.mark.cpu_only
 def test_dispatch_picks_the_platform_kernels():
     args = _step(np.random.default_rng(0), 4, 2, 16, 8, jnp.float32)[0]
     for impl in ("pallas_tpu", "pallas_gpu"):

@@ -158,6 +158,7 @@ def test_decode_update_continues_varlen_prefill():
     np.testing.assert_array_equal(new_states, final2)
 
 
+@pytest.mark.cpu_only
 def test_conv_impl_dispatch_and_shape_errors():
     rng = np.random.default_rng(4)
     x, weight, bias, _ = _inputs(rng, [4], 6, 4, jnp.float32, pad=0)

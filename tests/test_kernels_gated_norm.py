@@ -126,6 +126,7 @@ def test_kernel_lowers_for_cuda_reading_z_in_place():
         assert "stablehlo.slice" not in text
 
 
+@pytest.mark.cpu_only
 def test_dispatch_and_errors():
     y, z_source, scale = _inputs(4, 2, 40, 8, jnp.float32, seed=5)
     kw = dict(num_groups=2, eps=EPS, z_offset=8)

@@ -271,6 +271,7 @@ def test_gdn_prefill_then_extend_then_decode_matches_one_prefill():
     np.testing.assert_array_equal(pool[2], np.full((hv, dk, dv), 7.0))
 
 
+@pytest.mark.cpu_only
 def test_gdn_dispatch_and_shape_errors():
     rng = np.random.default_rng(6)
     inp = _prefill_inputs(rng, [6, 13], 1, 2, 4, 8, jnp.float32, pad=0)

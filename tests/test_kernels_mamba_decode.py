@@ -185,6 +185,7 @@ def test_fused_decode_jits_with_donated_pools():  # and K = 3, no checkpoints
         np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_only
 def test_fused_decode_dispatch_picks_kernels_by_platform(monkeypatch):
     rng = np.random.default_rng(2)
     args, kw, *_ = _inputs(rng, 3, 2, 8, 1, 16, 4, jnp.float32, True, True)

@@ -98,6 +98,7 @@ def test_kernel_takes_the_tuned_sizes_of_its_shape(monkeypatch):
     _assert_close(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64), jnp.bfloat16)
 
 
+@pytest.mark.cpu_only
 def test_model_default_follows_the_ops_impl(monkeypatch):
     """A model's decode projections take the kernel where its ops take the GPU kernels."""
     from jaxmamba.kernels.matmul import SMALL_M_ENV, model_small_m_impl
@@ -115,6 +116,7 @@ def test_model_default_follows_the_ops_impl(monkeypatch):
     assert model_small_m_impl("auto_gpu", "auto_gpu") == "auto_gpu"
 
 
+@pytest.mark.cpu_only
 def test_dispatch_out_dtype_and_errors():
     x, w = _inputs(2, 96, 80, jnp.bfloat16)
     got = small_m_matmul(x, w, out_dtype=jnp.float32, impl="interpret")

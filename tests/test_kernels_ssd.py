@@ -231,6 +231,7 @@ def test_chunk_layout_places_every_token_once_within_static_chunk_count():
         assert layout.chunk_first.sum() == np.count_nonzero(lengths)
 
 
+@pytest.mark.cpu_only
 def test_ssd_dispatch_and_shape_errors():
     rng = np.random.default_rng(11)
     inp = _inputs(rng, [6, 13], heads=2, head_dim=4, groups=1, state=6, dtype=jnp.float32, pad=0)

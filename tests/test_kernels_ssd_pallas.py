@@ -208,6 +208,7 @@ def test_gpu_kernel_keeps_initial_states_of_an_all_empty_batch(kernel):
     assert y.shape == inp["x"].shape
 
 
+@pytest.mark.cpu_only
 def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu():
     rng = np.random.default_rng(23)
     lengths = [5, 0, 11]

@@ -137,6 +137,7 @@ def test_decode_steps_continue_ssd_prefill():
     np.testing.assert_allclose(pool[:2], final_long, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.cpu_only
 def test_state_update_dispatch_and_shape_errors():
     rng = np.random.default_rng(6)
     inp = _inputs(rng, 5, 4, 10, 2, 12, jnp.float32, jnp.float32)

@@ -115,6 +115,7 @@ def test_state_update_kernel_jits_with_donated_pool():
     np.testing.assert_allclose(new_pool, expected[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_only
 def test_state_update_dispatch_picks_platform_kernels():
     args = (
         jnp.zeros((3, 2, 8, 16)), jnp.ones((2, 2, 8)), jnp.ones((2, 2)), -jnp.ones(2),

@@ -12,11 +12,13 @@ from jaxmamba import LLM, SamplingParams
 from jaxmamba.config import list_presets
 from jaxmamba.engine import memory
 from jaxmamba.engine import runner as runner_mod
+from jaxmamba.engine.batch import Bucket, StepBuilder
 from jaxmamba.engine.config import EngineConfig
 from jaxmamba.model.cache import CacheSpec, cache_bytes
 from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
 from jaxmamba.model.sampling import init_penalty_state
+from jaxmamba.step_contract import MAX_LOGPROBS
 
 # Mamba2 hybrids, and a Gated DeltaNet one (its delta-rule states share the slot pools)
 # where its preset is installed.
@@ -112,26 +114,69 @@ def device_bytes(llm) -> int:
     return sum(x.nbytes for x in leaves)
 
 
-def test_llm_sized_from_device_memory_fits_and_generates(monkeypatch, params):
+LIMIT, IN_USE = 40 << 20, 1 << 20  # the made-up device's memory_stats
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    fake = memory.DeviceMemory(LIMIT, IN_USE, "memory_stats")
+    monkeypatch.setattr(memory, "device_memory", lambda device: fake)
+
+
+def largest_buckets(llm) -> list[Bucket]:
+    """The largest decode bucket and the largest prefill/mixed one (tokens, then rows)."""
+    buckets = llm.engine.scheduler.all_buckets()
+    decode = [b for b in buckets if b.num_decode == b.num_rows]
+    prefill = [b for b in buckets if b.num_decode < b.num_rows]
+    return [max(g, key=lambda b: (b.num_tokens, b.num_rows)) for g in (decode, prefill)]
+
+
+def xla_step_bytes(llm, bucket: Bucket) -> int:
+    """What a step of `bucket` needs beyond its arguments, from XLA's memory analysis of the
+    engine's own step program compiled here on its live (donated) arrays: temporaries plus
+    the outputs that alias no donated input, which hold at least the packed samples."""
+    cfg, runner = llm.model_cfg, llm.runner
+    builder = StepBuilder(runner.cache_spec, llm.engine_cfg.max_pages_per_seq, cfg.vocab_size,
+                          cfg.chunk_size)  # fmt: skip
+    args, kwargs = runner.step_args(builder.padding(bucket), bucket.num_decode)
+    analysis = runner_mod.jitted_step.lower(*args, **kwargs).compile().memory_analysis()
+    temps = analysis.temp_size_in_bytes
+    unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    packed_samples = bucket.num_rows * (3 + 2 * MAX_LOGPROBS) * 4  # i32[B, 3 + 2 * MAX_LOGPROBS]
+    assert temps > 0 and unaliased >= packed_samples, (bucket, temps, unaliased)
+    return temps + unaliased
+
+
+@pytest.fixture(scope="module")
+def probe_temporaries(params):
+    """XLA's figure for the sizing probes' steps: an engine whose cache has the probes'
+    shapes (max_num_seqs slots, one sequence's pages), its largest steps compiled here."""
+    with pytest.MonkeyPatch.context() as mp:
+        fake = memory.DeviceMemory(LIMIT, IN_USE, "memory_stats")
+        mp.setattr(memory, "device_memory", lambda device: fake)
+        llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params,
+                  num_state_slots=4, num_pages=6, **TINY)  # fmt: skip
+    temps = max(xla_step_bytes(llm, b) for b in largest_buckets(llm))
+    return llm, temps
+
+
+def test_the_budget_leaves_xla_s_figure_for_the_largest_steps(probe_temporaries):
+    """Given sizes: the probes are the engine's own steps, and the budget is 0.5 x limit - in
+    use - XLA's figure for them, computed here from the compiled programs."""
+    llm, temps = probe_temporaries
+    assert llm.cache_plan.budget == int(0.5 * LIMIT) - IN_USE - temps
+
+
+def test_llm_sized_from_device_memory_fits_and_generates(fake_device, params, probe_temporaries):
     """The GPU/TPU path, on CPU with made-up memory_stats: budget = 0.5 x limit - in use -
     the largest steps' temporaries; the arrays the runner allocates fit in it."""
-    limit, in_use = 40 << 20, 1 << 20
-    fake = memory.DeviceMemory(limit, in_use, "memory_stats")
-    monkeypatch.setattr(memory, "device_memory", lambda device: fake)
-    temps = []
-    real = runner_mod.step_temporary_bytes
-    monkeypatch.setattr(
-        runner_mod, "step_temporary_bytes", lambda *a, **k: temps.append(real(*a, **k)) or temps[-1]
-    )
     llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **TINY)
     p = llm.cache_plan
-    cfg = llm.model_cfg
-    assert len(temps) == 2 and max(temps) >= 32 * cfg.hidden_size * 4  # one f32 activation
-    assert p.budget == int(0.5 * limit) - in_use - max(temps)
+    assert p.budget == int(0.5 * LIMIT) - IN_USE - probe_temporaries[1]
     assert llm.engine_cfg.state_slots == llm.runner.cache_spec.num_slots == p.state_slots
     assert llm.engine_cfg.pages == llm.runner.cache_spec.num_pages == p.pages
     assert p.checkpoint_slots > 0 and p.pages > 4 * 6
-    assert device_bytes(llm) == p.cache_bytes <= p.budget < 0.5 * limit - in_use
+    assert device_bytes(llm) == p.cache_bytes <= p.budget < 0.5 * LIMIT - IN_USE
     sp = SamplingParams(max_tokens=3)
     out = llm.generate(prompt_token_ids=[[256, 1, 2, 3]], sampling_params=sp, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
@@ -181,6 +226,7 @@ def test_bfloat16_state_counts_two_bytes_so_more_slots_fit(params):
     assert device_bytes(llms["bfloat16"]) == bf16.cache_bytes <= budget
 
 
+@pytest.mark.cpu_only
 def test_cpu_max_model_len_beyond_host_memory_is_an_error_not_an_oom(params):
     cfg = config_from_preset("nemotron-h-tiny")
     need = 16 * (10**7 // 16) * memory.page_bytes(cfg, 16, 4)  # default pages, 8 rows x 2

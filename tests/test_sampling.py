@@ -4,12 +4,15 @@ logprobs against one `lax.top_k`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sampling_hf import hf_scores
 
+from jaxmamba import sampling_params
 from jaxmamba.model import sampling
 from jaxmamba.model.sampling import MAX_LOGPROBS, filter_cutoff, sample, top_k_blocked
 from jaxmamba.sampling_params import NOT_IMPLEMENTED, SamplingParams
@@ -169,15 +172,33 @@ def test_sampling_values_are_normalised_to_exact_types():
     assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
 
 
-@pytest.mark.parametrize("field", sorted(NOT_IMPLEMENTED))
-def test_unimplemented_fields_raise_instead_of_being_ignored(field):
-    value = {
-        "n": 2, "stop": "x", "include_stop_str_in_output": True, "skip_special_tokens": False,
-        "max_tokens": None, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5,
-        "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {1: 2.0}, "prompt_logprobs": 1,
-    }[field]  # fmt: skip
+# One non-default value per field, and the value SamplingParams stores for it.
+NON_DEFAULT = {
+    "n": (2, 2), "presence_penalty": (0.5, 0.5), "frequency_penalty": (0.5, 0.5),
+    "repetition_penalty": (1.2, 1.2), "temperature": (0.5, 0.5), "top_p": (0.9, 0.9),
+    "top_k": (5, 5), "min_p": (0.1, 0.1), "seed": (7, 7), "stop": ("x", ("x",)),
+    "stop_token_ids": ([3], (3,)), "include_stop_str_in_output": (True, True),
+    "ignore_eos": (True, True), "max_tokens": (None, None), "min_tokens": (2, 2),
+    "logprobs": (1, 1), "prompt_logprobs": (1, 1), "skip_special_tokens": (False, False),
+    "logit_bias": ({1: 2.0}, {1: 2.0}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(SamplingParams)])
+def test_every_field_is_kept_unless_declared_unimplemented_then_refused(field, monkeypatch):
+    """Every field (a new one needs its entry in NON_DEFAULT) takes a non-default value, and
+    is refused instead of silently ignored once it is listed in NOT_IMPLEMENTED."""
+    value, stored = NON_DEFAULT[field]
+    assert value != getattr(SamplingParams(), field)
+    if field in NOT_IMPLEMENTED:
+        with pytest.raises(NotImplementedError, match=field):
+            SamplingParams(**{field: value})
+    else:
+        assert getattr(SamplingParams(**{field: value}), field) == stored
+    monkeypatch.setattr(sampling_params, "NOT_IMPLEMENTED", frozenset({field}))
     with pytest.raises(NotImplementedError, match=field):
         SamplingParams(**{field: value})
+    SamplingParams()  # the default is never refused
 
 
 def tied_logits(rng, rows: int, vocab: int) -> np.ndarray:

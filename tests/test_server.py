@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import string
 import time
 
 import httpx
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxmamba import LLM, SamplingParams
 from jaxmamba.serve.api_server import ServerConfig
 
+from hf_oracle import hf_greedy, hf_model_of
 from server_helpers import ServerThread, sse_events
 
 TINY = "nemotron-h-tiny"
@@ -35,6 +37,12 @@ PROMPTS = ["def main(", "import numpy as np\nx = ", "naïve café ✓ "]
 @pytest.fixture(scope="module")
 def oracle():
     return LLM(TINY, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def hf(oracle, tmp_path_factory):
+    """HF transformers on the served weights."""
+    return hf_model_of(oracle.runner.params, oracle.model_cfg, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +209,7 @@ def test_chat_matches_llm_chat(client, oracle):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
-def test_stop_strings_and_cached_tokens(client, oracle):
+def test_stop_strings_and_cached_tokens(client, oracle, hf):
     prompt = "the state of a mamba layer is a fixed size summary of the past, " * 1
     sp = SamplingParams(max_tokens=16, temperature=1.0, seed=9, stop=["e", "a"])
     (want,) = oracle.generate([prompt], sp, use_tqdm=False)
@@ -209,6 +217,20 @@ def test_stop_strings_and_cached_tokens(client, oracle):
                                       temperature=1.0, stop=["e", "a"])  # fmt: skip
     assert first.choices[0].text == want.outputs[0].text
     assert first.choices[0].finish_reason == want.outputs[0].finish_reason
+    # Greedy, against HF transformers on the same weights: the tiny preset's ids are <s> (256)
+    # and UTF-8 bytes, so HF's tokens decode by hand. Two stop strings (printable ASCII) from
+    # the reference text, the earlier one ends it.
+    ref, _, _ = hf_greedy(hf, [256, *prompt.encode()], 16)
+    text = bytes(t for t in ref if t < 256).decode("utf-8", errors="replace")
+    fresh = [
+        i for i in range(2, len(text)) if text[i] not in text[:i] and text[i] in string.printable
+    ]
+    assert len(fresh) >= 2, text
+    stops = [text[fresh[1]], text[fresh[0]]]
+    greedy = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0.0,
+                                       stop=stops, extra_body={"ignore_eos": True})  # fmt: skip
+    assert greedy.choices[0].text == text[: fresh[0]]
+    assert greedy.choices[0].finish_reason == "stop"
     again = client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < again.usage.prompt_tokens  # the aligned prefix came from the cache

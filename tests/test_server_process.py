@@ -6,48 +6,25 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from server_helpers import serve_process
+
 MAX_TOKENS = 100
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def served():
-    port = _free_port()
-    cmd = [sys.executable, "-m", "jaxmamba.cli", "serve", "--model", "nemotron-h-tiny",
-           "--port", str(port), "--served-model-name", "tiny", "alias", "--max-num-seqs", "2",
-           "--max-model-len", "128", "--max-num-batched-tokens", "16",
-           "--max-queued-requests", "1", "--shutdown-grace-s", "60",
-           "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
-    yield proc, url
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    args = ["--model", "nemotron-h-tiny", "--served-model-name", "tiny", "alias",
+            "--max-num-seqs", "2", "--max-model-len", "128", "--max-num-batched-tokens", "16",
+            "--max-queued-requests", "1", "--shutdown-grace-s", "60",
+            "--log-level", "warning"]  # fmt: skip
+    with serve_process(args, timeout_s=120) as (proc, url):
+        yield proc, url
 
 
 class Stream(threading.Thread):
