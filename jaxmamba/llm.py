@@ -31,7 +31,12 @@ from jaxmamba.model.dtypes import DTYPES, resolve_dtype
 from jaxmamba.model.families import load_config
 from jaxmamba.model.weights import load_params
 from jaxmamba.sampling_params import SamplingParams
-from jaxmamba.tokenizer import Tokenizer, load_tokenizer, with_tokenizer_eos
+from jaxmamba.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    with_tokenizer_eos,
+)
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
@@ -188,8 +193,9 @@ class LLM:
                 progress.close()
         return [outputs[rid] for rid in ids]
 
-    def get_tokenizer(self) -> Tokenizer | None:
-        """The tokenizer prompts are encoded with (None for a model without one)."""
+    def get_tokenizer(self) -> HFTokenizer | ByteTokenizer | None:
+        """The tokenizer prompts are encoded with (None for a model without one), with
+        transformers' methods (`__call__`, `batch_decode`, `apply_chat_template`, ...)."""
         return self.tokenizer
 
     def chat(
