@@ -153,8 +153,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a completion for every prompt; outputs come back in prompt order.
-        `use_tqdm` shows a progress bar (tqdm's if installed, else a plain counter). A request
-        whose step fails comes back with `finish_reason="error"` and `RequestOutput.error`."""
+        `use_tqdm` shows a progress bar (tqdm's if installed, else a plain counter)."""
         parsed = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.model_cfg.vocab_size)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -90,11 +90,6 @@ class BlockAllocator:
                 released.append(i)
         self.undo.push(lambda: self._unfree(ids, released))
 
-    def reset(self) -> None:
-        """Every id free again, outside any transaction (the state they named is gone)."""
-        self._free = list(range(self.capacity - 1, -1, -1))
-        self._refs = {}
-
     def _check_allocated(self, ids: list[int]) -> None:
         for i in ids:
             if self._refs.get(i, 0) <= 0:

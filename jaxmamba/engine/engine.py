@@ -10,12 +10,6 @@ read per step), so the device is never idle waiting for Python. Stop tokens and 
 therefore noticed one step late; the extra step's sample is dropped. Scheduling, building and
 dispatching a step is one transaction: if any of it raises, the scheduler's undo log puts
 every slot, page, queue and counter back, and the step can be retried.
-
-A step that fails (dispatching it, or reading its tokens back) loses nothing else: the
-requests it carried end with `finish_reason="error"` and `RequestOutput.error` saying why
-(vLLM's `FinishReason.ERROR`), every slot and page is free again, and the engine goes on;
-as the step donates the device state, the runner re-creates it, so every running request
-fails with it and the waiting ones prefill from scratch.
 """
 
 from __future__ import annotations
@@ -243,71 +237,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Dispatch the next step, then post-process the previous one; returns the outputs
         (deltas) of the requests that moved."""
-        carried: list[Request] = []  # the rows of the step being dispatched
-        try:
-            dispatched = self._dispatch(carried)
-            outputs = []
-            if self._inflight is not None:
-                outputs = self._postprocess(*self._inflight)
-        except Exception as err:
-            return self._fail_step(err, carried)
-        if self._inflight is None and dispatched is None and self.scheduler.running:
+        dispatched = self._dispatch()
+        outputs = []
+        if self._inflight is not None:
+            outputs = self._postprocess(*self._inflight)
+        elif dispatched is None and self.scheduler.running:
             raise RuntimeError("scheduler made no progress with requests still running")
         self._inflight = dispatched
         return outputs
 
-    def _fail_step(self, err: Exception, carried: list[Request]) -> list[RequestOutput]:
-        """A step raised: end every request whose state was on the device (the running ones,
-        and `carried`, which the rollback may have put back in the queue) with the error, free
-        the pools and re-create the device state. Returns the failed requests' outputs."""
-        logger.error("engine step failed; failing the requests it carried", exc_info=err)
-        self._inflight = None
-        failed = self.scheduler.drop_device_state() + carried
-        self.runner.reset_state()
-        message = f"the engine step failed: {type(err).__name__}: {err}"
-        ids = dict.fromkeys(req.request_id for req in failed)
-        now = time.perf_counter()
-        outputs = []
-        for request_id in ids:
-            group = self._groups.pop(request_id, None)
-            if group is None:
-                continue
-            completions = []
-            for req in group.seqs:
-                if req.finished:
-                    continue
-                if any(r is req for r in self.scheduler.waiting):
-                    self.scheduler.waiting.remove(req)
-                req.finish_reason, req.finish_time = "error", now
-                completions.append(
-                    CompletionOutput(
-                        index=req.index,
-                        text=None if group.detokenizers[req.index] is None else "",
-                        token_ids=[],
-                        cumulative_logprob=req.cumulative_logprob,
-                        logprobs=None if req.params.logprobs is None else [],
-                        finish_reason="error",
-                    )
-                )
-            outputs.append(
-                RequestOutput(
-                    request_id=request_id,
-                    prompt=group.prompt,
-                    prompt_token_ids=group.prompt_token_ids,
-                    outputs=completions,
-                    num_cached_tokens=group.seqs[0].num_cached_tokens,
-                    metrics=group.metrics(),
-                    error=message,
-                )
-            )
-        return outputs
-
-    def _dispatch(self, carried: list[Request]) -> tuple[ScheduledStep, StepOutput] | None:
+    def _dispatch(self) -> tuple[ScheduledStep, StepOutput] | None:
         with self.scheduler.transaction():
             scheduled = self.scheduler.schedule()
             if scheduled is None:
                 return None
-            carried.extend(row.request for row in scheduled.rows)
             inputs = self.builder.build(
                 scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
             )

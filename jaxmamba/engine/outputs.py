@@ -25,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -54,8 +54,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
     # {token_id: Logprob} of that token and the top-k (in the first output of a stream)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # why the request failed (its outputs finish with finish_reason "error"); None otherwise
-    error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold the next step's delta for this request into this output."""
@@ -73,4 +71,3 @@ class RequestOutput:
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
         self.metrics = delta.metrics
-        self.error = delta.error

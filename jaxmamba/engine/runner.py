@@ -227,11 +227,6 @@ class StepRunner:
         """Compile the step program `(bucket, sampler)` for a bucket's host `inputs`."""
         raise NotImplementedError
 
-    def reset_state(self) -> None:
-        """Replace `cache` and `slot_state` with fresh ones: after a failed step, which may
-        have consumed (donated) them. What the old state held is lost."""
-        raise NotImplementedError
-
     def _run_step(self, inputs: PackedStepInputs, bucket: tuple[int, int, int], sampler: str):
         """Dispatch the step of `bucket` `(num_tokens, num_rows, num_decode)` on its packed
         host inputs; returns the packed samples and sets `cache` and `slot_state`."""
@@ -342,14 +337,14 @@ class ModelRunner(StepRunner):
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
         self.tensor_parallel_size = tensor_parallel_size
+        slot_state = init_slot_state(cfg, cache_spec, self.dtype)
         # One device: the host arrays go to the jitted step as they are; its C++ dispatch moves
         # them, cheaper than a Python `device_put` per array (`scripts/bench_host_loop.py`).
         self._put_inputs = _as_is
         if tensor_parallel_size == 1 and mesh is None:
             self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
             self.params = params
-            self._init_state = lambda: (init_cache(cfg, cache_spec, self.dtype),
-                                        init_slot_state(cfg, cache_spec, self.dtype))  # fmt: skip
+            self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
             self._static = dict(model=self.model, spec=cache_spec)
             self._jit_step, self._jit_logits = jitted_step, jitted_logits
             self._jit_score, self._jit_fork = jitted_score, jitted_fork
@@ -361,16 +356,14 @@ class ModelRunner(StepRunner):
             self.model = Mamba2HybridLM(plan.shard_config(), self.dtype, impl, small_m_impl,
                                         plan.layout())  # fmt: skip
             self.params = sharding.shard_params(plan, params, mesh_plan.mesh)
-            self._init_state = lambda: (
-                sharding.init_sharded_cache(plan, cache_spec, self.dtype, mesh_plan.mesh),
-                jax.device_put(init_slot_state(cfg, cache_spec, self.dtype), replicated),
-            )
+            self.cache = sharding.init_sharded_cache(plan, cache_spec, self.dtype,
+                                                     mesh_plan.mesh)  # fmt: skip
+            slot_state = jax.device_put(slot_state, replicated)
             self._put_inputs = functools.partial(jax.device_put, device=replicated)
             self._static = dict(model=self.model, spec=cache_spec, mesh_plan=mesh_plan)
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
             self._jit_score, self._jit_fork = step.jitted_tp_score, step.jitted_tp_fork
-        self.cache: StateCache
-        self.reset_state()
+        self.slot_state = slot_state
         # The sampler variants of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
 
@@ -378,9 +371,6 @@ class ModelRunner(StepRunner):
     def num_compiles(self) -> int:
         """Compilations of this model+cache shape in this process (shared between runners)."""
         return TRACE_COUNTS[(self.model, self.cache_spec)]
-
-    def reset_state(self) -> None:
-        self.cache, self.slot_state = self._init_state()
 
     def held_samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
         _, num_rows, num_decode = bucket

@@ -376,20 +376,6 @@ class Scheduler:
             req.slot = None
         self.running.remove(req)
 
-    def drop_device_state(self) -> list[Request]:
-        """The device's cache and slot state are lost (a step failed): every running request
-        ends, the prefix cache forgets its checkpoints, and every slot and page is free again
-        (waiting requests hold none). Returns the requests that were running."""
-        running, self.running = self.running, []
-        for req in running:
-            req.node_refs, req.owned_pages, req.pages, req.slot = [], set(), [], None
-        self.pending_branches.clear()
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
-        self.slots.reset()
-        self.pages.reset()
-        return running
-
     def record_checkpoint(self, req: Request, length: int, slot: int) -> None:
         """After a step wrote `slot` = state at `length`: hand it to the prefix cache."""
         cache = self.prefix_cache

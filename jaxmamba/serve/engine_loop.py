@@ -201,8 +201,6 @@ class EngineLoop:
             return
         if output.finished:
             del self._sinks[output.request_id]
-            if output.error is not None:  # a failed step: the handler answers 500
-                output = Failed(output.request_id, RuntimeError(output.error))
         out.setdefault(sink.loop, []).append((sink.queue, output))
 
     def _fail_all(self, err: BaseException, out) -> bool:
