@@ -8,19 +8,16 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-if TYPE_CHECKING:  # the tokenizers' apply_chat_template imports this module
-    from jaxmamba.tokenizer import Tokenizer
-
 
 def render_chat(
-    tokenizer: Tokenizer,
+    tokenizer: object,  # its `chat_template` and `special_tokens`, where it has them
     messages: list[dict[str, Any]],
     *,
     chat_template: str | None = None,

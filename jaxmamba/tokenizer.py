@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from jaxmamba.chat import render_chat
 from jaxmamba.config import ModelConfig, checkpoint_dir
 
 # Presets whose vocabulary is ByteTokenizer's.
@@ -165,8 +166,6 @@ class _TransformersMethods:
         with no specials added (the template writes them), as a `BatchEncoding` if
         `return_dict`. Other keywords (`tools`, `documents`, template flags) go to the
         template."""
-        from jaxmamba.chat import render_chat
-
         if not isinstance(conversation, list | tuple) or not conversation:
             raise ValueError(f"a conversation must be a non-empty list, got {conversation!r}")
         batched = isinstance(conversation[0], list | tuple)

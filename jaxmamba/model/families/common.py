@@ -32,7 +32,7 @@ class Family:
     architecture: str  # the HF `architectures[0]` of its causal LM
     from_hf: Callable[[dict, str], ModelConfig]  # config.json dict, name -> ModelConfig
     param_map: Callable[[ModelConfig], list[Entry]]
-    # Prefixes of the base model in checkpoints, tried in order; the first is what we write.
+    # Prefixes of the base model in checkpoints, in lookup order; the first is the one written.
     base_prefixes: tuple[str, ...] = ("model.", "")
     # ModelConfig -> config.json dict, for writing checkpoints (None: not implemented).
     to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
