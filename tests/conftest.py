@@ -4,6 +4,7 @@ import gc
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 
 # A CUDA plugin is installed and not turned off: the backend will be the GPU (decided before
@@ -22,6 +23,14 @@ if not _CUDA and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
 # The xdist workers share one GPU: each takes memory as it needs it, not 75 % of it up front.
 if _CUDA:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# `python -m pytest` from the checkout root puts the root first on sys.path, and with it our
+# `kernels/` folder (installed as `jaxmamba.kernels`) as a top-level package `kernels`. That
+# name belongs to Hugging Face's `kernels` distribution, which transformers (>= 5.25) imports
+# as a dependency: with the root on sys.path it would find our folder instead and fail to
+# import. jaxmamba comes from its install (editable or not), so the root is not needed here.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

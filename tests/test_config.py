@@ -137,8 +137,8 @@ def test_nemotron_h_legacy_config_is_parsed():
     assert cfg.layer_types == ("mamba", "attention", "mlp", "mamba", "mlp")
     assert (cfg.n_groups, cfg.conv_kernel, cfg.chunk_size, cfg.norm_eps) == (3, 3, 32, 1e-6)
     assert cfg.mamba_proj_bias and not cfg.use_conv_bias and cfg.mlp_bias
-    # NemotronH clamps dt to (time_step_min, inf), whatever config.time_step_limit says.
-    assert cfg.time_step_limit == (0.002, math.inf)
+    # dt is clamped to config.time_step_limit; time_step_min only initialises dt_bias.
+    assert cfg.time_step_limit == (0.0, math.inf)
     assert cfg.eos_token_id == 7 and cfg.bos_token_id == 5 and cfg.tie_word_embeddings
 
 

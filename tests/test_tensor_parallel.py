@@ -49,7 +49,9 @@ def seen(tmp_path_factory) -> dict:
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")  # keeps conftest's
     root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+    # Not the checkout root: its `kernels/` folder would shadow the `kernels` package
+    # transformers imports (tests/conftest.py); jaxmamba comes from its install.
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1800
     )

@@ -100,10 +100,11 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         use_conv_bias=bool(get(c, "use_conv_bias", "mamba_conv_bias", default=True)),
         # The modeling code biases in_proj/out_proj by `use_bias` (not `mamba_proj_bias`).
         mamba_proj_bias=bool(c.get("use_bias", False)),
-        # HF NemotronH clamps dt to (time_step_min, inf) and ignores config.time_step_limit.
-        time_step_limit=(
-            common.as_float(get(c, "time_step_min", "mamba_dt_min", default=0.001)),
-            math.inf,
+        # dt is clamped to config.time_step_limit (NVIDIA's modeling code and transformers >=
+        # 5.25); time_step_min and time_step_max only initialise dt_bias.
+        time_step_limit=tuple(
+            common.as_float(v)
+            for v in get(c, "time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))
         ),
         residual_in_fp32=bool(c.get("residual_in_fp32", False)),
         **common.attention_fields(c, num_heads, get(c, "head_dim", default=hidden // num_heads)),
@@ -118,12 +119,6 @@ def from_hf(c: dict, name: str) -> ModelConfig:
 
 def to_hf(cfg: ModelConfig) -> dict:
     lo, hi = cfg.time_step_limit
-    if hi != math.inf:
-        # HF NemotronH hard-codes the upper clamp to inf; it cannot express another.
-        raise ValueError(
-            f"ModelConfig.time_step_limit={cfg.time_step_limit!r} is invalid: expected "
-            "(min, inf) for nemotron_h"
-        )
     if set(cfg.layer_types) - set(_HF_LAYER_NAMES):
         raise ValueError(f"writing nemotron_h layer types {cfg.layer_types} is not implemented")
     return {
@@ -135,7 +130,7 @@ def to_hf(cfg: ModelConfig) -> dict:
         "mamba_head_dim": cfg.mamba_head_dim,
         "ssm_state_size": cfg.ssm_state_size,
         "mamba_hidden_act": "silu",
-        "time_step_min": lo,
+        "time_step_limit": [lo, hi],
         "num_attention_heads": cfg.num_attention_heads or 1,
         "num_key_value_heads": cfg.num_key_value_heads or 1,
         "head_dim": cfg.head_dim or 1,
