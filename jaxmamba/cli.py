@@ -1,11 +1,14 @@
-"""Command line: `jaxmamba generate`, `bench`, `serve`, `export`, `aot` and `convert`."""
+"""Command line: `jaxmamba generate`, `bench` (`throughput`, `one-batch`), `serve`, `export`,
+`aot` and `convert`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
+from jaxmamba.bench_throughput import DATASETS
 from jaxmamba.cli_args import (
     add_engine_args,
     add_model_arg,
@@ -112,6 +115,39 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_throughput(args) -> int:
+    from jaxmamba.bench_throughput import (
+        check_fits,
+        redraw_prompts,
+        sample_requests,
+        timed_generate,
+        token_pool,
+    )
+
+    llm = llm_from_args(args)
+    pool = token_pool(llm.model_cfg.vocab_size, llm.get_tokenizer())
+    requests = sample_requests(
+        args.dataset_name, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.random_range_ratio,
+        prefix_len=args.prefix_len, token_ids=pool, seed=args.seed,
+    )  # fmt: skip
+    check_fits(requests, llm.engine_cfg.max_model_len)
+    run = dict(n=args.n, detokenize=not args.disable_detokenize)
+    if args.warmup:
+        warmup = redraw_prompts(requests, args.prefix_len, pool, seed=args.seed + 1)
+        print("warm-up pass (untimed; compiles the step buckets the schedule meets)",
+              file=sys.stderr)  # fmt: skip
+        timed_generate(llm, warmup, **run)
+        llm.reset_prefix_cache()
+    result, _ = timed_generate(llm, requests, **run)
+    print(result.summary())
+    print(f"Compilations in the timed pass: {result.compilations}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result.vllm_json(), f, indent=4)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxmamba", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,45 +192,158 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate --max-tokens tokens even past the end-of-text token",
     )
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: offline throughput (vllm bench throughput), one static batch",
+        description="`jaxmamba bench FLAGS` (no subcommand) is `jaxmamba bench one-batch FLAGS`.",
+    )
+    benches = bench.add_subparsers(dest="bench", required=True, help="the benchmark")
+    _add_bench_throughput_parser(benches)
+    _add_bench_one_batch_parser(benches)
+    add_serve_parser(sub)
+    add_export_parsers(sub)  # export, aot, convert
+    return parser
+
+
+def _add_bench_throughput_parser(benches) -> None:
+    p = benches.add_parser(
+        "throughput",
+        help="offline throughput through LLM.generate, as vllm bench throughput measures it",
+        description="Offline throughput as `vllm bench throughput --dataset-name random` "
+        "measures it, with its flags: every request queued at once, temperature 1, top-p 1, "
+        "ignore_eos, max_tokens each request's output length; --seed also seeds the dataset. "
+        "Prints vLLM's summary line.",
+        allow_abbrev=False,  # vLLM's flags we lack (--dataset, --profile, ...) are errors
+    )
+    add_model_arg(p)
+    add_setting_args(p, RunConfig)
+    add_engine_args(p)
+    p.add_argument(
+        "--dataset-name",
+        choices=DATASETS,
+        default="random",
+        help="the prompts; random is the one dataset supported (default: %(default)s)",
+    )
+    p.add_argument("--input-len", type=positive_int, required=True, help="prompt tokens")
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=128,
+        help="output tokens of each request (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=1000, help="requests (default: %(default)s)"
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=_range_ratio,
+        default=0.0,
+        help="input and output lengths uniform over the integers of [len*(1-r), len*(1+r)] "
+        "(floor, ceil); r in [0, 1) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-len",
+        "--random-prefix-len",
+        dest="prefix_len",
+        type=_non_negative_int,
+        default=0,
+        help="random tokens every prompt starts with, before its --input-len ones (default: "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--n", type=positive_int, default=1, help="completions per prompt (default: %(default)s)"
+    )
+    p.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="leave the completions' text out (detokenizing is then not timed)",
+    )
+    p.add_argument("--output-json", help="write vLLM's JSON record of the results here")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first run the same lengths once, untimed, with other random tokens, so the timed "
+        "pass compiles nothing: JAX compiles a step bucket when the schedule first meets it "
+        "(vLLM captures its CUDA graphs at start-up; --precompile compiles every bucket then) "
+        "(default: %(default)s)",
+    )
+    p.set_defaults(func=cmd_bench_throughput)
+
+
+def _range_ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
+def _add_bench_one_batch_parser(benches) -> None:
     # One static batch on the model runner: no scheduler, so no engine limits to set.
-    bench = sub.add_parser("bench", help="prefill/decode throughput of one static batch")
-    add_model_arg(bench)
-    add_setting_args(bench, RunConfig, ("dtype", "seed", "impl"))
-    add_setting_args(bench, EngineConfig, ("mamba_ssm_cache_dtype",))
-    bench.add_argument(
+    p = benches.add_parser(
+        "one-batch",
+        help="prefill/decode throughput of one static batch (the default subcommand)",
+        description="Prefill and decode step times of one static batch, like SGLang's "
+        "bench_one_batch, with MFU and the fraction of the HBM roofline.",
+    )
+    add_model_arg(p)
+    add_setting_args(p, RunConfig, ("dtype", "seed", "impl"))
+    add_setting_args(p, EngineConfig, ("mamba_ssm_cache_dtype",))
+    p.add_argument(
         "--batch-size",
         type=positive_int,
         nargs="+",
         default=[1, 8],
         help="batch sizes to measure (default: %(default)s)",
     )
-    bench.add_argument(
+    p.add_argument(
         "--input-len",
         type=positive_int,
         nargs="+",
         default=[512],
         help="prompt lengths to measure (default: %(default)s)",
     )
-    bench.add_argument(
+    p.add_argument(
         "--output-len",
         type=positive_int,
         default=32,
         help="decode steps per measurement (default: %(default)s)",
     )
-    bench.add_argument(
+    p.add_argument(
         "--small-m-impl",
         choices=["auto", "ref", "pallas", "xla"],
         help="the projections of decode-sized steps (<= 32 tokens): small_m_matmul with this "
         "impl, or XLA's dot ('xla'); default: the Pallas kernel where --impl runs the GPU "
         "kernels, else XLA's dot",
     )
-    bench.set_defaults(func=cmd_bench)
-    add_serve_parser(sub)
-    add_export_parsers(sub)  # export, aot, convert
-    return parser
+    p.set_defaults(func=cmd_bench)
+
+
+def _bench_subcommand(argv: list[str]) -> list[str]:
+    """`jaxmamba bench [FLAGS]` is `jaxmamba bench one-batch [FLAGS]`, the form from before
+    `bench` had subcommands."""
+    if argv[:1] == ["bench"] and (
+        len(argv) == 1 or (argv[1].startswith("-") and argv[1] not in ("-h", "--help"))
+    ):
+        return ["bench", "one-batch", *argv[1:]]
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = _bench_subcommand(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

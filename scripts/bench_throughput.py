@@ -1,13 +1,15 @@
 """Offline throughput through `LLM.generate`, as `vllm bench throughput` runs it on its random
-dataset: every request at once, random prompt and output lengths, `ignore_eos`, temperature 1.
+dataset (`jaxmamba bench throughput` is that command; this script adds the profiled pass):
+every request at once, prompt and output lengths uniform over `--input-len LOW HIGH` and
+`--output-len LOW HIGH`, `ignore_eos`, temperature 1.
 
 Prefix caching is off unless asked for (the prompts share nothing) and the cache is sized by
 `--kv-cache-gib` (no memory probing at start-up). Three passes over requests of the same
 lengths (fresh random tokens each time): a warm-up that compiles every bucket the schedule
-meets, the timed pass (output tokens/s), and a pass driven step by step through the engine
-whose steps
-`--profile-from`..+`--profile-steps` run under the JAX profiler: the device's busy time over that
-window's span shows how much of a step the host costs (a host-bound loop leaves the device idle).
+meets, the timed pass (`jaxmamba.bench_throughput.timed_generate`: output tokens/s), and a
+pass driven step by step through the engine whose steps `--profile-from`..+`--profile-steps`
+run under the JAX profiler: the device's busy time over that window's span shows how much of
+a step the host costs (a host-bound loop leaves the device idle).
 That pass also times the host's share of each step: dispatching (schedule, build the inputs,
 transfer them, launch) and post-processing (after the wait for the step's output), and counts
 the host-to-device transfers of a step (one per input array).
@@ -23,7 +25,6 @@ import json
 import time
 
 import jax
-import numpy as np
 from trace_summary import (
     device_kernel_events,
     format_trace_summary,
@@ -31,7 +32,14 @@ from trace_summary import (
     load_trace_events,
 )
 
-from jaxmamba import LLM, SamplingParams
+from jaxmamba import LLM
+from jaxmamba.bench_throughput import (
+    bench_sampling_params,
+    random_requests,
+    redraw_prompts,
+    timed_generate,
+    token_pool,
+)
 
 
 def busy_seconds(kernels: list[dict]) -> float:
@@ -80,44 +88,30 @@ def main() -> None:
         enable_prefix_caching=args.prefix_caching,
         kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
     )
-    vocab = llm.model_cfg.vocab_size
-    rng = np.random.default_rng(0)
-    out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, args.num_prompts)
-    params = [
-        SamplingParams(temperature=args.temperature, max_tokens=int(n), ignore_eos=True)
-        for n in out_lens
-    ]
-    in_lens = rng.integers(args.input_len[0], args.input_len[1] + 1, args.num_prompts)
-
-    def prompts(seed: int):
-        r = np.random.default_rng(seed)
-        return [r.integers(0, vocab, int(n)).tolist() for n in in_lens]
+    pool = token_pool(llm.model_cfg.vocab_size, llm.get_tokenizer())
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, pool)
+    run = dict(temperature=args.temperature, use_tqdm=False)
 
     print(
         f"{jax.devices()[0].device_kind}: LLM ready in {time.perf_counter() - t0:.0f} s", flush=True
     )
     record = {
         "args": vars(args),
-        "input_tokens": int(in_lens.sum()),
-        "output_tokens": int(out_lens.sum()),
+        "input_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
     }
-    start = time.perf_counter()
-    llm.generate(prompt_token_ids=prompts(1), sampling_params=params, use_tqdm=False)
-    record["warmup_s"] = time.perf_counter() - start
-    compiles = llm.engine.runner.num_compiles
+    warmup, _ = timed_generate(llm, redraw_prompts(requests, 0, pool, seed=1), **run)
+    record["warmup_s"] = warmup.elapsed_time
     before = llm.engine.counters()
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts(2), sampling_params=params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    result, _ = timed_generate(llm, requests, **run)
     after = llm.engine.counters()
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert generated == record["output_tokens"], (generated, record["output_tokens"])
+    elapsed = result.elapsed_time
     record.update(
         timed_s=elapsed,
-        output_tokens_per_s=generated / elapsed,
-        total_tokens_per_s=(generated + record["input_tokens"]) / elapsed,
-        requests_per_s=args.num_prompts / elapsed,
-        compiles_in_timed_pass=llm.engine.runner.num_compiles - compiles,
+        output_tokens_per_s=result.output_tokens_per_second,
+        total_tokens_per_s=result.tokens_per_second,
+        requests_per_s=result.requests_per_second,
+        compiles_in_timed_pass=result.compilations,
         steps={k: after[k] - before[k] for k in after if k.endswith("steps")},
     )
     print(json.dumps(record), flush=True)
@@ -149,8 +143,12 @@ def main() -> None:
 
     engine._dispatch, engine._postprocess = timed_dispatch, timed_postprocess
     engine.runner._put_inputs = counted_put
-    for i, (ids, sp) in enumerate(zip(prompts(3), params, strict=True)):
-        engine.add_request(f"profiled-{i}", {"prompt": None, "prompt_token_ids": ids}, sp)
+    profiled = redraw_prompts(requests, 0, pool, seed=3)
+    params = bench_sampling_params(profiled, temperature=args.temperature)
+    for i, (r, sp) in enumerate(zip(profiled, params, strict=True)):
+        engine.add_request(
+            f"profiled-{i}", {"prompt": None, "prompt_token_ids": r.prompt_token_ids}, sp
+        )
     step = 0
     window = None
     while engine.has_unfinished_requests():

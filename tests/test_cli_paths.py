@@ -1,11 +1,14 @@
-"""The CLI's success paths: `jaxmamba bench` prints a row per phase and shape whose numbers
-agree with each other, and `jaxmamba serve` as its own process honours --api-key (401 without
-it), --chat-template FILE (the prompt is the file's template rendered by Jinja), and
---tensor-parallel-size 2 on two forced host devices (greedy tokens equal HF transformers on
-the same weights)."""
+"""The CLI's success paths: `jaxmamba bench` (= `bench one-batch`) prints a row per phase and
+shape whose numbers agree with each other; `jaxmamba bench throughput` runs vLLM's random
+dataset from its flags and prints and writes vLLM's figures, consistent with the requests; and
+`jaxmamba serve` as its own process honours --api-key (401 without it), --chat-template FILE
+(the prompt is the file's template rendered by Jinja), and --tensor-parallel-size 2 on two
+forced host devices (greedy tokens equal HF transformers on the same weights)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 
 import httpx
@@ -13,9 +16,14 @@ import jax.numpy as jnp
 import jinja2
 import pytest
 
-from jaxmamba.cli import main
+import jaxmamba.bench
+import jaxmamba.bench_throughput
+from jaxmamba.bench_throughput import sample_requests, token_pool
+from jaxmamba.cli import build_parser, main
+from jaxmamba.engine.config import EngineConfig, RunConfig
 from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
+from jaxmamba.tokenizer import ByteTokenizer
 
 from hf_oracle import hf_greedy, hf_model_of
 from server_helpers import serve_process
@@ -52,6 +60,91 @@ def test_bench_prints_a_consistent_row_per_phase_and_shape(capsys):
         tokens = int(batch) * (int(input_len) if phase == "prefill" else 1)
         assert float(ms) > 0
         assert float(per_s.replace(",", "")) == pytest.approx(tokens / (float(ms) / 1e3), rel=0.1)
+
+
+def test_bench_without_a_subcommand_is_bench_one_batch(monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        jaxmamba.bench, "bench_one_batch", lambda cfg, params, **kw: seen.append(kw) or []
+    )
+    flags = ["--model", TINY, "--batch-size", "3", "--input-len", "5", "--output-len", "2"]
+    assert main(["bench", *flags]) == main(["bench", "one-batch", *flags]) == 0
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert (seen[0]["batch"], seen[0]["input_len"], seen[0]["output_len"]) == (3, 5, 2)
+
+
+def test_bench_throughput_prints_and_writes_vllms_figures_of_its_requests(
+    monkeypatch, tmp_path, capsys
+):
+    calls = []
+    timed_generate = jaxmamba.bench_throughput.timed_generate
+
+    def spy(llm, requests, **kwargs):
+        calls.append((requests, kwargs))
+        return timed_generate(llm, requests, **kwargs)
+
+    monkeypatch.setattr(jaxmamba.bench_throughput, "timed_generate", spy)
+    path = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", TINY, "--dtype", "float32", "--max-num-seqs", "2",
+            "--max-model-len", "64", "--max-num-batched-tokens", "16", "--dataset-name", "random",
+            "--num-prompts", "3", "--input-len", "9", "--output-len", "4",
+            "--random-range-ratio", "0.5", "--random-prefix-len", "3", "--seed", "5", "--n", "2",
+            "--disable-detokenize", "--output-json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+
+    pool = token_pool(272, ByteTokenizer())  # the tiny preset's
+    want = sample_requests("random", num_prompts=3, input_len=9, output_len=4, range_ratio=0.5,
+                           prefix_len=3, token_ids=pool, seed=5)  # fmt: skip
+    (warmup, warm_kw), (requests, kw) = calls  # the warm-up pass first: same lengths
+    assert requests == want and kw == warm_kw == {"n": 2, "detokenize": False}
+    assert [len(r.prompt_token_ids) for r in warmup] == [len(r.prompt_token_ids) for r in want]
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in want)
+    output_tokens = 2 * sum(r.output_len for r in want)  # ignore_eos: every token asked for
+
+    record = json.loads(path.read_text())
+    assert set(record) == {"elapsed_time", "num_requests", "total_num_tokens",
+                           "requests_per_second", "tokens_per_second"}  # fmt: skip
+    elapsed = record["elapsed_time"]
+    assert record["num_requests"] == 3
+    assert record["total_num_tokens"] == prompt_tokens + output_tokens
+    assert record["requests_per_second"] == pytest.approx(3 / elapsed)
+    assert record["tokens_per_second"] == pytest.approx((prompt_tokens + output_tokens) / elapsed)
+    line = re.search(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
+                     r"([\d.]+) output tokens/s$", out, re.M)  # fmt: skip
+    assert line, out
+    printed = [float(x) for x in line.groups()]
+    assert printed == pytest.approx(
+        [3 / elapsed, (prompt_tokens + output_tokens) / elapsed, output_tokens / elapsed],
+        abs=0.01,
+    )
+    assert f"Total num prompt tokens:  {prompt_tokens}\n" in out
+    assert f"Total num output tokens:  {output_tokens}\n" in out
+    assert "Compilations in the timed pass: 0\n" in out  # the warm-up met every bucket
+
+
+def test_bench_throughput_takes_every_engine_setting_with_its_default():
+    args = build_parser().parse_args(["bench", "throughput", "--input-len", "8"])
+    for cls in (EngineConfig, RunConfig):
+        for f in dataclasses.fields(cls):
+            assert getattr(args, f.name) == f.default, f.name
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset-name", "sharegpt"], "invalid choice: 'sharegpt' (choose from 'random')"),
+        (["--dataset", "data.json"], "unrecognized arguments: --dataset data.json"),
+        (["--backend", "vllm"], "unrecognized arguments: --backend vllm"),
+        (["--random-range-ratio", "1"], "must be a number in [0, 1), got '1'"),
+        (["--random-prefix-len", "-1"], "must be an int >= 0, got '-1'"),
+    ],
+)
+def test_bench_throughput_refuses_what_it_does_not_support(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "throughput", "--model", TINY, "--input-len", "8", *flags])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_serve_api_key_and_chat_template_file(tmp_path, hf_tiny):
