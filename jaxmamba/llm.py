@@ -153,7 +153,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a completion for every prompt; outputs come back in prompt order.
-        `use_tqdm` shows a progress bar (tqdm's if installed, else a plain counter)."""
+        `use_tqdm` shows a progress bar (tqdm's if installed, else a plain counter). A request
+        whose step failed comes back finished, with `finish_reason="error"` on its unfinished
+        samples and `RequestOutput.error` saying why (the engine logs the failure); the others,
+        and the `LLM`, go on."""
         parsed = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.model_cfg.vocab_size)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -371,14 +374,136 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
         budget = memory.cache_budget(limit=mem.limit, in_use=mem.in_use, utilization=u,
                                      temporaries=0)  # fmt: skip
         plan(budget=budget, budget_what=f"{what} - in use")  # too small even before temporaries
-        temps = _largest_step_temporaries(model_cfg, cfg, params, dtype, impl)
-        budget -= temps
+        result, temps = _fit_every_program(model_cfg, cfg, params, dtype, impl, plan, budget, what)
         gib = lambda n: f"{n / memory.GiB:.2f} GiB"  # noqa: E731
         how = f"{what} - {gib(mem.in_use)} in use (weights {gib(weights)}) - {gib(temps)} temps"
-        result = plan(budget=budget, budget_what=f"{what} - in use - step temporaries")
     result = dataclasses.replace(result, note=f"memory: {how}")
     logger.info("%s", result.describe())
     return result
+
+
+def _fit_every_program(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl, plan,
+                       budget: int, what: str):  # fmt: skip
+    """`(plan, temporaries)`: the cache planned within `budget` so that every program the
+    engine can run fits beside it. The largest steps' temporaries, probed on a small cache,
+    are reserved first; then every program (each bucket's step with its sampler variants,
+    and the side programs) compiles at the planned cache's shapes, and XLA's memory analysis
+    of each is read. Where one needs more than was reserved (a program may copy a cache
+    array, which grows with the cache), the cache is planned again with that figure and the
+    programs compile again at the new shapes. The compiled programs stay in the jit's cache,
+    so the engine's runner does not compile them again. A configuration whose programs do not
+    fit beside the smallest cache is refused, naming the setting and the largest value that
+    fits (`_programs_too_big`)."""
+    from jaxmamba.engine import memory
+    from jaxmamba.engine.runner import program_name
+
+    reserved = _largest_step_temporaries(model_cfg, cfg, params, dtype, impl)
+    sizes = plan.keywords  # the bytes of a slot, a page and the fixed part (`size_cache`)
+    slots = cfg.num_state_slots or cfg.max_num_seqs
+    pages = cfg.num_pages or cfg.max_pages_per_seq
+    smallest = (slots + 1) * sizes["per_slot"] + (pages + 1) * sizes["per_page"] + sizes["fixed"]
+    seen = []  # (cache bytes, every program's need) of each plan compiled
+    for _ in range(4):
+        try:
+            result = plan(budget=budget - reserved,
+                          budget_what=f"{what} - in use - step temporaries")  # fmt: skip
+        except ValueError as e:
+            too_big = _programs_too_big(model_cfg, cfg, params, dtype, impl, smallest, budget,
+                                        what)  # fmt: skip
+            raise (too_big or e) from None
+        needs = _program_needs(model_cfg, cfg, params, dtype, impl, result.state_slots,
+                               result.pages)  # fmt: skip
+        needs = {p: n or 0 for p, n in needs.items()}
+        worst = max(needs, key=needs.get)
+        if needs[worst] <= reserved:
+            return result, reserved
+        logger.info("the %s step needs %s beside its arguments at this cache's shapes, more "
+                    "than the %s reserved: planning the cache again", program_name(worst),
+                    memory.fmt_bytes(needs[worst]), memory.fmt_bytes(reserved))  # fmt: skip
+        seen.append((result.cache_bytes, needs))
+        reserved = _reserve_again(seen, budget, smallest)
+    too_big = _programs_too_big(model_cfg, cfg, params, dtype, impl, smallest, budget, what)
+    raise too_big or RuntimeError(
+        "the cache plan did not settle: the programs' temporaries grow with the cache "
+        f"({memory.fmt_bytes(reserved)} at the last plan)"
+    )
+
+
+def _reserve_again(seen: list[tuple[int, dict]], budget: int, smallest: int) -> int:
+    """The bytes to leave beside the cache next, after plans whose programs needed more than
+    was left (`seen`: each plan's cache bytes and every program's need). A program that copies
+    a cache array needs more the larger the cache: from two plans, each program's need is
+    taken as affine in the cache's bytes (`a + k × cache`), and the cache is the largest
+    with `cache + need ≤ budget` for all of them. After one plan, its largest need is
+    reserved where the smallest cache fits beside it; otherwise the cache is halved toward
+    the smallest to measure the slope."""
+    cache, needs = seen[-1]
+    if len(seen) == 1:
+        most = max(needs.values())
+        return most if budget - most >= smallest else budget - (cache + smallest) // 2
+    (c0, n0), (c1, n1) = seen[-2], seen[-1]
+    fit = budget
+    for p in n1:
+        k = max((n0[p] - n1[p]) / (c0 - c1), 0.0) if c0 != c1 else 0.0
+        a = n1[p] - k * c1
+        fit = min(fit, int((budget - a) / (1 + k)))
+    return budget - max(fit, smallest)
+
+
+def _program_needs(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl,
+                   state_slots: int, pages: int) -> dict[tuple, int | None]:  # fmt: skip
+    """Every program's device bytes beside its arguments (`StepRunner.compile_programs`),
+    compiled for a cache of these sizes, with nothing allocated; a bar shows the progress."""
+    from jaxmamba.engine.batch import StepBuilder
+    from jaxmamba.engine.engine import compile_progress
+    from jaxmamba.engine.runner import ModelRunner
+    from jaxmamba.engine.scheduler import Scheduler
+
+    sized = dataclasses.replace(cfg, num_state_slots=state_slots, num_pages=pages)
+    spec = CacheSpec(state_slots, pages, cfg.page_size, cfg.ssm_dtype)
+    runner = ModelRunner(model_cfg, params, spec, dtype=dtype, impl=impl,
+                         tensor_parallel_size=cfg.tensor_parallel_size, allocate=False)  # fmt: skip
+    builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size)
+    buckets = Scheduler(model_cfg, sized).all_buckets()
+    return runner.compile_programs(buckets, builder.padding, compile_progress("compiling steps"))
+
+
+def _programs_too_big(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl,
+                      smallest: int, budget: int, what: str) -> ValueError | None:  # fmt: skip
+    """Why the programs do not fit beside the smallest cache within `budget`, naming the
+    setting to lower and the largest value of it whose programs fit (from every program
+    compiled beside the smallest cache); None when they fit and the cache itself is what is
+    too big (the cache plan's own error says so)."""
+    from jaxmamba.engine import memory
+    from jaxmamba.engine.runner import program_name
+
+    slots = cfg.num_state_slots or cfg.max_num_seqs
+    pages = cfg.num_pages or cfg.max_pages_per_seq
+    needs = {p: n or 0 for p, n in _program_needs(model_cfg, cfg, params, dtype, impl, slots,
+                                                  pages).items()}  # fmt: skip
+    room = budget - smallest
+    worst = max(needs, key=needs.get)
+    if needs[worst] <= room:
+        return None
+    steps = {p: n for p, n in needs.items() if len(p) == 2}
+    decode = {p: n for p, n in steps.items() if p[0].num_decode == p[0].num_rows}
+    if worst in decode:  # decode steps grow with their rows: max_num_seqs
+        setting, size = "max_num_seqs", lambda p: p[0].num_rows
+        pool = decode
+    else:  # prefill and mixed steps grow with their tokens: max_num_batched_tokens
+        setting, size = "max_num_batched_tokens", lambda p: p[0].num_tokens
+        pool = {p: n for p, n in steps.items() if p not in decode}
+    sizes = sorted({size(p) for p in pool})
+    fits = [s for s in sizes if all(n <= room for p, n in pool.items() if size(p) <= s)]
+    largest = f"at most {setting}={fits[-1]} fits" if fits else f"no {setting} fits"
+    return ValueError(
+        f"{setting}={getattr(cfg, setting)}: the {program_name(worst)} step needs "
+        f"{memory.fmt_bytes(needs[worst])} beside its arguments (XLA's memory analysis), and "
+        f"with the smallest cache ({memory.fmt_bytes(smallest)}: max_num_seqs="
+        f"{cfg.max_num_seqs} state slots, one sequence at max_model_len={cfg.max_model_len}) "
+        f"that is more than {what} - in use ({memory.fmt_bytes(budget)}): {largest} (or "
+        "raise gpu_memory_utilization)"
+    )
 
 
 def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl):

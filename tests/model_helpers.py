@@ -1,4 +1,5 @@
-"""Test helpers: build runners and steps directly, below the LLM API."""
+"""Test helpers: build runners and steps directly, below the LLM API; and check that an `LLM`
+gave back every slot, page and prefix-cache node."""
 
 from __future__ import annotations
 
@@ -68,3 +69,20 @@ def primitive_names(jaxpr) -> set[str]:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             names |= primitive_names(sub)
     return names
+
+
+def assert_nothing_leaks(llm) -> None:
+    """No request is left in `llm`'s engine, every state slot not free holds a prefix-cache
+    checkpoint, and resetting the prefix cache frees every slot, page and node."""
+    engine = llm.engine
+    scheduler = engine.scheduler
+    assert not engine.has_unfinished_requests()
+    assert not scheduler.running and not scheduler.waiting and not scheduler.pending_branches
+    cache = scheduler.prefix_cache
+    checkpoints = cache.num_checkpoints if cache is not None else 0
+    assert scheduler.slots.num_free + checkpoints == scheduler.slots.capacity
+    llm.reset_prefix_cache()
+    assert scheduler.slots.num_free == scheduler.slots.capacity
+    assert scheduler.pages.num_free == scheduler.pages.capacity
+    if cache is not None:
+        assert cache.num_nodes == 0 and cache.num_checkpoints == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import jax
 import numpy as np
@@ -14,6 +15,7 @@ from jaxmamba.model.params import init_params
 
 from hf_fixtures import make_nemotron_h_checkpoint
 from hf_oracle import hf_greedy, hf_model_of
+from model_helpers import assert_nothing_leaks
 
 TINY = "nemotron-h-tiny"
 
@@ -48,16 +50,6 @@ def token_ids(outs):
 def prompts_of(lengths, seed=0, vocab=256):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def assert_nothing_leaks(llm):
-    scheduler = llm.engine.scheduler
-    assert not scheduler.running and not scheduler.waiting
-    llm.reset_prefix_cache()
-    assert scheduler.slots.num_free == scheduler.slots.capacity
-    assert scheduler.pages.num_free == scheduler.pages.capacity
-    if scheduler.prefix_cache is not None:
-        assert scheduler.prefix_cache.num_nodes == 0
 
 
 @contextlib.contextmanager
@@ -274,7 +266,7 @@ def scheduler_state(scheduler):
                 for key, child in sorted(node.children.items())]  # fmt: skip
 
     fields = ("num_computed", "num_scheduled_outputs", "num_cached_tokens", "slot", "init_slot",
-              "pages", "owned_pages", "cached_len")  # fmt: skip
+              "pages", "owned_pages", "cached_len", "branch_len", "was_held")  # fmt: skip
     requests = [
         (r.request_id, r.index, *(getattr(r, f) for f in fields), [id(n) for n in r.node_refs])
         for r in [*scheduler.running, *scheduler.waiting]
@@ -286,21 +278,59 @@ def scheduler_state(scheduler):
         waiting=[id(r) for r in scheduler.waiting],
         requests=requests,
         tree=tree(cache.root),
-        counts=(cache.num_nodes, cache.hit_tokens, cache.query_tokens),
+        counts=(cache.num_nodes, dict(cache.stats), scheduler.held_admissions),
+        branches=dict(scheduler.pending_branches),
     )
 
 
+def tree_blocks(cache) -> dict[tuple, tuple[int | None, list[int]]]:
+    """Every node of the prefix cache, by its path of token blocks: (slot, pages)."""
+    out, stack = {}, [((), cache.root)]
+    while stack:
+        path, node = stack.pop()
+        for key, child in node.children.items():
+            out[(*path, key)] = (child.slot, list(child.pages))
+            stack.append(((*path, key), child))
+    return out
+
+
+def assert_accounted(engine):
+    """Every state slot and KV page is free or held exactly once: by a running request, a
+    prefix-cache node, or the step in flight (its output checkpoints); each node's references
+    are the running requests that hold it."""
+    scheduler, cache = engine.scheduler, engine.scheduler.prefix_cache
+    nodes = tree_blocks(cache)
+    inflight = [] if engine._inflight is None else engine._inflight[0].rows
+    slots = [r.slot for r in scheduler.running] + [s for s, _ in nodes.values() if s is not None]
+    slots += [slot for row in inflight for slot, _ in row.output_checkpoints]
+    pages = [p for r in scheduler.running for p in r.owned_pages]
+    pages += [p for _, node_pages in nodes.values() for p in node_pages]
+    assert sorted(slots + scheduler.slots._free) == list(range(scheduler.slots.capacity))
+    assert sorted(pages + scheduler.pages._free) == list(range(scheduler.pages.capacity))
+    holders = Counter(id(n) for r in scheduler.running for n in r.node_refs)
+    stack = list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        assert node.refs == holders[id(node)]
+
+
 @pytest.mark.parametrize("where", ["build", "dispatch"])
-def test_a_step_that_raises_leaves_every_slot_page_and_request_where_it_was(
+def test_a_step_that_raises_fails_the_requests_it_carried_and_no_other(
     tiny_params, monkeypatch, where
 ):
+    """A step that raises while building its inputs, or in the runner before the device took
+    its state: the scheduler rolls back to exactly where it was (the evictions it made
+    included), the requests the step carried end with finish_reason "error" and give back their
+    slots and pages, and every other request (waiting, or running without a row in that step)
+    finishes with the tokens of an engine that never failed."""
     llm = tiny_llm(tiny_params, track_interval=32)
     engine, scheduler = llm.engine, llm.engine.scheduler
     system = prompts_of([48], seed=5)[0]
     warm = [system + p for p in prompts_of([5, 40, 17], seed=6)]
     llm.generate(prompt_token_ids=warm, sampling_params=greedy(10), use_tqdm=False)
     assert scheduler.prefix_cache.num_nodes > 0  # a full cache: admitting evicts
-    prompts = prompts_of([70, 3, 90, 33, 60], seed=7)
+    prompts = prompts_of([70, 3, 90, 33, 60, 25, 12, 45, 8], seed=7)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(12))
     evicted = []
@@ -311,38 +341,65 @@ def test_a_step_that_raises_leaves_every_slot_page_and_request_where_it_was(
         real_evict(*args, **kw)
         evicted.append(scheduler.slots.num_free + scheduler.pages.num_free - free)
 
-    def boom(*args, **kwargs):
+    # Two steps fail: the first that evicted while scheduling, then the first after it that
+    # leaves a running request without a row.
+    faults = {"evicting": None, "uncarried": None}
+    target = (engine.builder, "build") if where == "build" else (engine.runner, "step")
+    real = getattr(*target)
+
+    def faulty(first, *args, **kwargs):
+        slots = {row.state_slot for row in first} if where == "build" else set(first.state_slots)
+        uncarried = [r.request_id for r in scheduler.running if r.slot not in slots]
+        if faults["evicting"] is None and sum(evicted) > 0:
+            faults["evicting"] = uncarried
+        elif faults["evicting"] is not None and faults["uncarried"] is None and uncarried:
+            faults["uncarried"] = uncarried
+        else:
+            return real(first, *args, **kwargs)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(scheduler.prefix_cache, "evict", evict)
-    target = (engine.builder, "build") if where == "build" else (engine.runner, "step")
-    outputs, failures, failed_evictions = {}, 0, 0
+    rollbacks = []  # whether each failed transaction put everything back
+    real_transaction = scheduler.transaction
 
-    def collect(outs):
+    @contextlib.contextmanager
+    def checked_transaction():
+        before = scheduler_state(scheduler)
+        try:
+            with real_transaction():
+                yield
+        except RuntimeError:
+            rollbacks.append(scheduler_state(scheduler) == before)
+            raise
+
+    monkeypatch.setattr(scheduler.prefix_cache, "evict", evict)
+    monkeypatch.setattr(scheduler, "transaction", checked_transaction)
+    monkeypatch.setattr(*target, faulty)
+    outputs, errors, failed_steps = {}, {}, 0
+    while engine.has_unfinished_requests():
+        tree_before = tree_blocks(scheduler.prefix_cache)
+        evicted.clear()
+        outs = engine.step()
         for out in outs:
             outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-
-    while engine.has_unfinished_requests():  # every step that dispatches fails twice first
-        before = scheduler_state(scheduler)
-        evicted.clear()
-        with monkeypatch.context() as m:
-            m.setattr(*target, boom)
-            try:
-                outs = engine.step()
-            except RuntimeError as e:
-                assert "injected failure" in str(e)
-                assert scheduler_state(scheduler) == before
-                with pytest.raises(RuntimeError, match="injected failure"):
-                    engine.step()
-                assert scheduler_state(scheduler) == before
-                failures += 1
-                failed_evictions += sum(evicted)
-            else:  # nothing left to dispatch: the step only read the one in flight
-                collect(outs)
-                continue
-        collect(engine.step())
-    assert failures > 5 and failed_evictions > 0  # some failed steps had evicted, put back
+            if out.error is not None:
+                assert out.finished and out.outputs[0].finish_reason == "error"
+                assert out.error == "the engine step failed: RuntimeError: injected failure"
+                errors[out.request_id] = failed_steps
+        if engine.stats.failed_steps > failed_steps:  # this step failed and rolled back
+            failed_steps = engine.stats.failed_steps
+            tree_after = tree_blocks(scheduler.prefix_cache)
+            for path, (slot, pages) in tree_before.items():  # every eviction undone
+                assert tree_after[path][1] == pages and slot in (None, tree_after[path][0])
+            assert not any(r.request_id in errors for r in scheduler.running)
+            assert not any(r.request_id in errors for r in scheduler.waiting)
+        assert_accounted(engine)
+    assert failed_steps == 2 and faults["uncarried"] and rollbacks == [True, True]
+    # the requests running without a row in the failed step finished normally
+    assert not set(faults["uncarried"]) & set(errors)
+    survivors = [i for i in range(len(prompts)) if f"r{i}" not in errors]
+    assert len(survivors) >= 3 and len(errors) >= 2
     off = tiny_llm(tiny_params, enable_prefix_caching=False)
-    refs = off.generate(prompt_token_ids=prompts, sampling_params=greedy(12), use_tqdm=False)
-    assert [outputs[f"r{i}"] for i in range(len(prompts))] == token_ids(refs)
+    refs = off.generate(prompt_token_ids=[prompts[i] for i in survivors],
+                        sampling_params=greedy(12), use_tqdm=False)  # fmt: skip
+    assert [outputs[f"r{i}"] for i in survivors] == token_ids(refs)
     assert_nothing_leaks(llm)

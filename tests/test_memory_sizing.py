@@ -12,8 +12,9 @@ from jaxmamba import LLM, SamplingParams
 from jaxmamba.config import list_presets
 from jaxmamba.engine import memory
 from jaxmamba.engine import runner as runner_mod
-from jaxmamba.engine.batch import Bucket, StepBuilder
+from jaxmamba.engine.batch import StepBuilder
 from jaxmamba.engine.config import EngineConfig
+from jaxmamba.engine.scheduler import Scheduler
 from jaxmamba.model.cache import CacheSpec, cache_bytes
 from jaxmamba.model.families import config_from_preset
 from jaxmamba.model.params import init_params
@@ -123,65 +124,130 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(memory, "device_memory", lambda device: fake)
 
 
-def largest_buckets(llm) -> list[Bucket]:
-    """The largest decode bucket and the largest prefill/mixed one (tokens, then rows)."""
-    buckets = llm.engine.scheduler.all_buckets()
-    decode = [b for b in buckets if b.num_decode == b.num_rows]
-    prefill = [b for b in buckets if b.num_decode < b.num_rows]
-    return [max(g, key=lambda b: (b.num_tokens, b.num_rows)) for g in (decode, prefill)]
-
-
-def xla_step_bytes(llm, bucket: Bucket) -> int:
-    """What a step of `bucket` needs beyond its arguments, from XLA's memory analysis of the
-    engine's own step program compiled here on its live (donated) arrays: temporaries plus
-    the outputs that alias no donated input, which hold at least the packed samples."""
+def xla_program_bytes(llm) -> dict[tuple, int]:
+    """What each program the engine can run needs beyond its arguments, from XLA's memory
+    analysis of the program compiled here on the engine's live (donated) arrays: every
+    bucket's step with each sampler program it runs, `fork_fn` and `score_fn`. The step
+    programs need at least their packed samples."""
     cfg, runner = llm.model_cfg, llm.runner
     builder = StepBuilder(runner.cache_spec, llm.engine_cfg.max_pages_per_seq, cfg.vocab_size,
                           cfg.chunk_size)  # fmt: skip
-    args, kwargs = runner.step_args(builder.padding(bucket), bucket.num_decode)
-    analysis = runner_mod.jitted_step.lower(*args, **kwargs).compile().memory_analysis()
-    temps = analysis.temp_size_in_bytes
-    unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-    packed_samples = bucket.num_rows * (3 + 2 * MAX_LOGPROBS) * 4  # i32[B, 3 + 2 * MAX_LOGPROBS]
-    assert temps > 0 and unaliased >= packed_samples, (bucket, temps, unaliased)
-    return temps + unaliased
+    buckets = llm.engine.scheduler.all_buckets()
+    out = {}
+
+    def need(compiled) -> int:
+        analysis = compiled.memory_analysis()
+        unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+        return analysis.temp_size_in_bytes + max(unaliased, 0)
+
+    for bucket, sampler in runner.programs(buckets):
+        args, kwargs = runner.step_args(builder.padding(bucket), bucket.num_decode, sampler)
+        out[bucket, sampler] = need(runner_mod.jitted_step.lower(*args, **kwargs).compile())
+        packed_samples = (
+            bucket.num_rows * (3 + 2 * MAX_LOGPROBS) * 4
+        )  # i32[B, 3 + 2 * MAX_LOGPROBS]
+        assert out[bucket, sampler] >= packed_samples, (bucket, sampler, out[bucket, sampler])
+    padding = builder.padding(next(b for b in buckets if b.num_rows > b.num_decode))
+    static = dict(model=runner.model, spec=runner.cache_spec)
+    fork = runner_mod.jitted_fork.lower(runner.cache, *runner_mod.fork_inputs(padding), **static)
+    out["fork",] = need(fork.compile())
+    score = runner_mod.jitted_score.lower(runner.params, runner.slot_state.prompt_hidden,
+                                          runner_mod.padding_targets(), **static)  # fmt: skip
+    out["score",] = need(score.compile())
+    return out
+
+
+def reserved_temporaries(llm) -> int:
+    """The bytes the plan left beside the cache: 0.5 x limit - in use - its budget."""
+    return int(0.5 * LIMIT) - IN_USE - llm.cache_plan.budget
 
 
 @pytest.fixture(scope="module")
-def probe_temporaries(params):
-    """XLA's figure for the sizing probes' steps: an engine whose cache has the probes'
-    shapes (max_num_seqs slots, one sequence's pages), its largest steps compiled here."""
+def given_sizes(params):
+    """An engine whose cache sizes are given (the plan reserves its programs' temporaries
+    and checks the sizes fit), and what XLA says each of its programs needs."""
     with pytest.MonkeyPatch.context() as mp:
         fake = memory.DeviceMemory(LIMIT, IN_USE, "memory_stats")
         mp.setattr(memory, "device_memory", lambda device: fake)
         llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params,
                   num_state_slots=4, num_pages=6, **TINY)  # fmt: skip
-    temps = max(xla_step_bytes(llm, b) for b in largest_buckets(llm))
-    return llm, temps
+    return llm, xla_program_bytes(llm)
 
 
-def test_the_budget_leaves_xla_s_figure_for_the_largest_steps(probe_temporaries):
-    """Given sizes: the probes are the engine's own steps, and the budget is 0.5 x limit - in
-    use - XLA's figure for them, computed here from the compiled programs."""
-    llm, temps = probe_temporaries
-    assert llm.cache_plan.budget == int(0.5 * LIMIT) - IN_USE - temps
+def test_the_budget_leaves_what_the_hungriest_program_needs(given_sizes):
+    """The plan reserves the most any program of this engine needs at its cache's shapes,
+    as XLA's analysis of each program compiled here says: not only the largest buckets'
+    (a program that copies a cache array needs more, and a small bucket may)."""
+    llm, needs = given_sizes
+    assert reserved_temporaries(llm) == max(needs.values())
+    assert len(needs) == len(llm.runner.programs(llm.engine.scheduler.all_buckets())) + 2
 
 
-def test_llm_sized_from_device_memory_fits_and_generates(fake_device, params, probe_temporaries):
-    """The GPU/TPU path, on CPU with made-up memory_stats: budget = 0.5 x limit - in use -
-    the largest steps' temporaries; the arrays the runner allocates fit in it."""
+def test_llm_sized_from_device_memory_leaves_room_for_every_program(fake_device, params):
+    """The GPU/TPU path, on CPU with made-up memory_stats: the cache planned from the
+    memory left after the weights leaves room for every program at the planned cache's
+    shapes (XLA's analysis of each, compiled here on the engine's own arrays), and the
+    arrays the runner allocates are the plan's."""
     llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **TINY)
     p = llm.cache_plan
-    assert p.budget == int(0.5 * LIMIT) - IN_USE - probe_temporaries[1]
+    needs = xla_program_bytes(llm)
+    assert max(needs.values()) <= reserved_temporaries(llm)
+    assert device_bytes(llm) == p.cache_bytes <= p.budget
+    assert device_bytes(llm) + max(needs.values()) <= 0.5 * LIMIT - IN_USE
     assert llm.engine_cfg.state_slots == llm.runner.cache_spec.num_slots == p.state_slots
     assert llm.engine_cfg.pages == llm.runner.cache_spec.num_pages == p.pages
     assert p.checkpoint_slots > 0 and p.pages > 4 * 6
-    assert device_bytes(llm) == p.cache_bytes <= p.budget < 0.5 * LIMIT - IN_USE
     sp = SamplingParams(max_tokens=3)
     out = llm.generate(prompt_token_ids=[[256, 1, 2, 3]], sampling_params=sp, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match=r"at most max_model_len=\d+ fits"):
         LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, max_model_len=10**7, params=params)
+
+
+def test_the_programs_compiled_for_sizing_are_the_ones_the_engine_runs(fake_device, params):
+    """Sizing compiles every program at the planned cache's shapes before the cache is
+    allocated; the engine's runner takes them from the jit's cache: generating compiles
+    nothing more."""
+    llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **TINY)
+    before = llm.runner.num_compiles
+    prompts = [[256, *range(1, n)] for n in (3, 40, 70)]
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4),
+                 use_tqdm=False)  # fmt: skip
+    assert llm.runner.num_compiles == before
+
+
+def test_too_many_batched_tokens_are_refused_naming_the_largest_that_fits(monkeypatch, params):
+    """A device with room for the smallest cache and the steps of 64 tokens, not 128: LLM
+    refuses max_num_batched_tokens=128 at start-up, saying at most 64 fits (from XLA's
+    analysis of every program), and starts with 64."""
+    cfg = config_from_preset("nemotron-h-tiny")
+    engine = dict(TINY, max_num_batched_tokens=128)
+    small = EngineConfig(**TINY).for_chunk_size(cfg.chunk_size)
+    spec = CacheSpec(small.max_num_seqs, small.max_pages_per_seq, small.page_size, "float32")
+    builder = StepBuilder(spec, small.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
+
+    def most(max_tokens):  # the hungriest step of an engine with this token limit
+        sized = EngineConfig(**dict(TINY, max_num_batched_tokens=max_tokens),
+                             num_state_slots=spec.num_slots, num_pages=spec.num_pages)  # fmt: skip
+        buckets = Scheduler(cfg, sized.for_chunk_size(cfg.chunk_size)).all_buckets()
+        return max(runner_mod.step_temporary_bytes(cfg, params, spec, builder.padding(b),
+                                                   b.num_decode) for b in buckets)  # fmt: skip
+
+    fits, too_big = most(64), most(128)
+    assert too_big > fits
+    per_slot = memory.slot_bytes(cfg, 4, 4)
+    per_page = memory.page_bytes(cfg, small.page_size, 4)
+    smallest = ((spec.num_slots + 1) * per_slot + (spec.num_pages + 1) * per_page
+                + memory.fixed_bytes(cfg, 4))  # fmt: skip
+    room = smallest + (fits + too_big) // 2  # the smallest cache and the 64-token steps
+    fake = memory.DeviceMemory(2 * (room + IN_USE), IN_USE, "memory_stats")
+    monkeypatch.setattr(memory, "device_memory", lambda device: fake)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=128: .* at most "
+                                         r"max_num_batched_tokens=64 fits"):  # fmt: skip
+        LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **engine)
+    llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params,
+              **dict(engine, max_num_batched_tokens=64))  # fmt: skip
+    assert llm.cache_plan.state_slots >= TINY["max_num_seqs"]
 
 
 def test_kv_cache_memory_bytes_sizes_the_cache(params):

@@ -90,6 +90,12 @@ class BlockAllocator:
                 released.append(i)
         self.undo.push(lambda: self._unfree(ids, released))
 
+    def reset(self) -> None:
+        """Every id free again, outside any transaction: what they named is gone (the device
+        state was lost)."""
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._refs = {}
+
     def _check_allocated(self, ids: list[int]) -> None:
         for i in ids:
             if self._refs.get(i, 0) <= 0:

@@ -7,9 +7,21 @@ text); `abort_request(id)` drops one. `LLM.generate` runs on it.
 
 `step()` dispatches step n+1 before it reads step n's sampled tokens (one packed device→host
 read per step), so the device is never idle waiting for Python. Stop tokens and strings are
-therefore noticed one step late; the extra step's sample is dropped. Scheduling, building and
-dispatching a step is one transaction: if any of it raises, the scheduler's undo log puts
-every slot, page, queue and counter back, and the step can be retried.
+therefore noticed one step late; the extra step's sample is dropped.
+
+A step that fails loses nothing else (`_fail_step`): the requests it carried end with
+`finish_reason="error"` and `RequestOutput.error` saying why (vLLM's `FinishReason.ERROR`), and
+the engine goes on. Scheduling, building and dispatching a step is one transaction: if any of
+it raises, the scheduler's undo log first puts every slot, page, queue and counter back.
+Whether the device state survived decides the rest. The step donates the runner's cache and
+slot state, so the engine then asks the runner whether they are still its own and undeleted.
+If they are (the failure came before the device took them), only the carried requests end,
+their slots and pages free, and every other request goes on. If not, or when reading a step's
+tokens back raises (every later step continued from that one's state), every request whose
+state was on the device ends, the runner re-creates its state (the compiled programs stay),
+the prefix cache forgets its checkpoints, and the waiting requests prefill from scratch. A
+failure that no request carried (`schedule()` raising before it began to schedule any)
+propagates with the scheduler as it was, and the step can be retried.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.detokenizer import IncrementalDetokenizer
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.engine.request import Request
-from jaxmamba.engine.runner import ModelRunner, StepOutput, unpack_step_output
+from jaxmamba.engine.runner import ModelRunner, StepOutput, program_name, unpack_step_output
 from jaxmamba.engine.scheduler import ScheduledStep, Scheduler
 from jaxmamba.sampling_params import SamplingParams
 
@@ -44,6 +56,8 @@ class EngineStats:
     decode_tokens: int = 0
     finished_requests: int = 0
     device_reads: int = 0
+    failed_steps: int = 0
+    failed_requests: int = 0  # requests a failed step ended (finish_reason "error")
     step_kinds: dict[str, int] = field(
         default_factory=lambda: {"decode": 0, "prefill": 0, "mixed": 0}
     )
@@ -82,6 +96,48 @@ class RequestGroup:
             if values:
                 out[key] = pick(values)
         return out
+
+
+class _DispatchFailed(Exception):
+    """Scheduling, building or dispatching a step raised `cause` (the scheduler rolled back):
+    `carried`, the requests that step carried; `state_lost`, whether the dispatch consumed the
+    runner's device state."""
+
+    def __init__(self, cause: Exception, carried: list[Request], state_lost: bool):
+        super().__init__(cause)
+        self.cause, self.carried, self.state_lost = cause, carried, state_lost
+
+
+def compile_progress(what: str):
+    """A `progress(done, total, program)` callback for `StepRunner.compile_programs` that
+    draws a bar on stderr: tqdm's where it is installed, else a line of its own."""
+    start = time.perf_counter()
+    bar = None
+
+    def progress(done: int, total: int, program: tuple) -> None:
+        nonlocal bar
+        last = program_name(program)
+        if bar is None:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                bar = False
+            else:
+                bar = tqdm(total=total, desc=what, unit="program", dynamic_ncols=True)
+        if bar:
+            bar.set_postfix_str(last, refresh=False)
+            bar.update(1)
+            if done == total:
+                bar.close()
+            return
+        width = 30
+        drawn = "#" * (width * done // total) + "-" * (width - width * done // total)
+        sys.stderr.write(f"\r{what} [{drawn}] {done}/{total} programs "
+                         f"({time.perf_counter() - start:.0f} s, last {last})")  # fmt: skip
+        sys.stderr.write("\n" if done == total else "")
+        sys.stderr.flush()
+
+    return progress
 
 
 class LLMEngine:
@@ -159,13 +215,16 @@ class LLMEngine:
         if group is None:
             return
         for req in group.seqs:
-            if req.finished:
-                continue
-            req.finish_reason = "abort"
-            if any(r is req for r in self.scheduler.waiting):
-                self.scheduler.waiting.remove(req)
-            else:
-                self.scheduler.release(req)
+            if not req.finished:
+                self._end(req, "abort")
+
+    def _end(self, req: Request, reason: str) -> None:
+        """Finish `req` by `reason` and free what it holds (a waiting one holds nothing)."""
+        req.finish_reason = reason
+        if req in self.scheduler.waiting:  # Request compares by identity
+            self.scheduler.waiting.remove(req)
+        elif req in self.scheduler.running:
+            self.scheduler.release(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self._inflight is not None
@@ -213,51 +272,116 @@ class LLMEngine:
     # -- warm-up ------------------------------------------------------------------------------
     def precompile(self, show_progress: bool = True) -> int:
         """Compile every bucket now (with the sampler variant of each decode bucket, where the
-        runner has it); returns how many programs. Afterwards nothing compiles."""
+        runner has it) and the side programs, and run each once; returns how many step
+        programs. Afterwards nothing compiles."""
         buckets = self.scheduler.all_buckets()
-        start = time.perf_counter()
-
-        def progress(i, n, bucket):
-            if show_progress:
-                width = 30
-                bar = "#" * (width * i // n) + "-" * (width - width * i // n)
-                sys.stderr.write(
-                    f"\rprecompiling [{bar}] {i}/{n} buckets "
-                    f"({time.perf_counter() - start:.0f} s, last T={bucket.num_tokens} "
-                    f"B={bucket.num_rows} decode={bucket.num_decode})"
-                )
-                if i == n:
-                    sys.stderr.write("\n")
-                sys.stderr.flush()
-
+        progress = compile_progress("precompiling") if show_progress else None
         self.runner.precompile(buckets, self.builder.padding, progress)
         return len(self.runner.programs(buckets))
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Dispatch the next step, then post-process the previous one; returns the outputs
-        (deltas) of the requests that moved."""
-        dispatched = self._dispatch()
-        outputs = []
-        if self._inflight is not None:
-            outputs = self._postprocess(*self._inflight)
-        elif dispatched is None and self.scheduler.running:
+        (deltas) of the requests that moved, and of those a failed step ended (module
+        docstring): the previous step's outputs are read first, so a request it finished
+        finishes normally."""
+        previous, failed = self._inflight, None
+        try:
+            self._inflight = self._dispatch()
+        except _DispatchFailed as err:
+            if not err.carried and not err.state_lost:
+                raise err.cause from None  # nothing to pin it on; the scheduler is as it was
+            self._inflight, failed = None, err
+        outputs = [] if previous is None else self._postprocess(*previous)
+        if failed is not None:
+            outputs += self._fail_step(failed.cause, failed.carried, state_lost=failed.state_lost)
+        elif previous is None and self._inflight is None and self.scheduler.running:
             raise RuntimeError("scheduler made no progress with requests still running")
-        self._inflight = dispatched
         return outputs
 
     def _dispatch(self) -> tuple[ScheduledStep, StepOutput] | None:
-        with self.scheduler.transaction():
-            scheduled = self.scheduler.schedule()
+        """Schedule, build and dispatch the next step; None when there is nothing to run.
+        Raises `_DispatchFailed` if any of it raises."""
+        scheduled = None
+        cache, slot_state = self.runner.cache, self.runner.slot_state
+        try:
+            with self.scheduler.transaction():
+                scheduled = self.scheduler.schedule()
+                if scheduled is None:
+                    return None
+                inputs = self.builder.build(
+                    scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
+                )
+                packed = self._step(scheduled, inputs)
+            self.scheduler.record_dispatched(scheduled)
+            self._count(scheduled)
+        except Exception as err:
             if scheduled is None:
-                return None
-            inputs = self.builder.build(
-                scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
-            )
-            packed = self._step(scheduled, inputs)
-        self.scheduler.record_dispatched(scheduled)
-        self._count(scheduled)
+                carried = self.scheduler.transaction_requests()
+            else:
+                carried = [row.request for row in scheduled.rows]
+            state_lost = not self.runner.holds_state(cache, slot_state)
+            raise _DispatchFailed(err, carried, state_lost) from err
         return scheduled, packed
+
+    def _fail_step(
+        self,
+        err: Exception,
+        carried: list[Request],
+        *,
+        state_lost: bool,
+        produced: dict[str, list[CompletionOutput]] | None = None,
+    ) -> list[RequestOutput]:
+        """A step raised `err`: end the requests it `carried` (every sample of each) with
+        finish_reason "error" and free what they hold; with `state_lost`, also every request
+        whose state was on the device, and re-create the device state (module docstring).
+        `produced`: completions the step made before it raised, handed out with the error.
+        Returns the failed requests' outputs."""
+        logger.error("engine step failed (device state %s); failing the requests it carried",
+                     "lost" if state_lost else "intact", exc_info=err)  # fmt: skip
+        self.stats.failed_steps += 1
+        failed = list(carried)
+        if state_lost:
+            self._inflight = None  # it continued from the lost state
+            failed += self.scheduler.drop_device_state()
+            self.runner.reset_state()
+        message = f"the engine step failed: {type(err).__name__}: {err}"
+        now = time.perf_counter()
+        outputs = []
+        for request_id in dict.fromkeys(req.request_id for req in failed):
+            group = self._groups.pop(request_id, None)
+            if group is None:  # finished, or aborted, already
+                continue
+            by_index = {c.index: c for c in (produced or {}).get(request_id, [])}
+            for req in group.seqs:
+                if req.finished:
+                    continue
+                self._end(req, "error")
+                req.finish_time = now
+                if req.index in by_index:
+                    by_index[req.index].finish_reason = "error"
+                    continue
+                by_index[req.index] = CompletionOutput(
+                    index=req.index,
+                    text=None if group.detokenizers[req.index] is None else "",
+                    token_ids=[],
+                    cumulative_logprob=req.cumulative_logprob,
+                    logprobs=None if req.params.logprobs is None else [],
+                    finish_reason="error",
+                )
+            self.stats.failed_requests += 1
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=group.prompt,
+                    prompt_token_ids=group.prompt_token_ids,
+                    outputs=[by_index[i] for i in sorted(by_index)],
+                    num_cached_tokens=group.seqs[0].num_cached_tokens,
+                    metrics=group.metrics(),
+                    error=message,
+                )
+            )
+        return outputs
 
     def _step(self, scheduled: ScheduledStep, inputs) -> StepOutput:
         """Dispatch on the runner, telling it whether some row reads the top logprobs
@@ -279,12 +403,34 @@ class LLMEngine:
         st.step_kinds[kind] += 1
 
     def _postprocess(self, step: ScheduledStep, out: StepOutput) -> list[RequestOutput]:
-        sampled, scored = unpack_step_output(jax.device_get(out))  # the one read per step
+        """Read a dispatched step's samples back (the one read per step) and hand them to its
+        requests; returns their outputs. A read that raises loses the device state: the step
+        produced nothing valid, and every step dispatched since continued from it. If handing
+        them out raises, the step's requests fail with what it had made for them, but for
+        those it had finished."""
+        try:
+            host = jax.device_get(out)
+        except Exception as err:
+            return self._fail_step(err, [row.request for row in step.rows], state_lost=True)
+        self.stats.device_reads += 1
+        deltas: dict[str, list[CompletionOutput]] = {}
+        try:
+            self._take_samples(step, *unpack_step_output(host), deltas)
+        except Exception as err:
+            done = {rid: c for rid, c in deltas.items() if self._groups[rid].finished}
+            carried = [row.request for row in step.rows if row.request.request_id not in done]
+            produced = {rid: c for rid, c in deltas.items() if rid not in done}
+            return self._outputs(done) + self._fail_step(err, carried, state_lost=False,
+                                                         produced=produced)  # fmt: skip
+        return self._outputs(deltas)
+
+    def _take_samples(self, step: ScheduledStep, sampled, scored,
+                      deltas: dict[str, list[CompletionOutput]]) -> None:  # fmt: skip
+        """Append each row's sample to its request, record the step's checkpoints, and put
+        each sequence's delta in `deltas` (request id -> completions)."""
         tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
         scored_offset = 0  # of the row's first scored token among the step's scored tokens
-        self.stats.device_reads += 1
         now = time.perf_counter()
-        deltas: dict[str, list[CompletionOutput]] = {}
         num_decode = step.num_decode_rows
         for i, row in enumerate(step.rows):
             req = row.request
@@ -313,6 +459,8 @@ class LLMEngine:
                 top = self._logprobs(sampled, i, token, logprob, req.params.logprobs)
                 req.output_logprobs.append(top)
             deltas.setdefault(req.request_id, []).append(self._advance(req, token, top, now))
+
+    def _outputs(self, deltas: dict[str, list[CompletionOutput]]) -> list[RequestOutput]:
         outputs = []
         for request_id, completions in deltas.items():
             group = self._groups[request_id]
@@ -426,6 +574,8 @@ class LLMEngine:
             "decode_tokens": st.decode_tokens,
             "device_reads": st.device_reads,
             "finished_requests": st.finished_requests,
+            "failed_steps": st.failed_steps,
+            "failed_requests": st.failed_requests,
             "compilations": self.runner.num_compiles,
             "free_slots": s.slots.num_free,
             "free_pages": s.pages.num_free,

@@ -1,9 +1,16 @@
 """Sizing the state cache from memory, as vLLM's `gpu_memory_utilization` does (host side).
 
 The cache gets what is left of `gpu_memory_utilization` × the device's memory after the
-weights and the largest step's temporaries (XLA's memory analysis of the compiled step):
+weights and the temporaries of the hungriest program the engine can run:
 
     budget = utilization × limit − in use (the weights, already on device) − temporaries
+
+`temporaries` is XLA's memory analysis of every program (each bucket's step with its sampler
+programs, `fork_fn`, `score_fn`), compiled at the planned cache's shapes before the cache is
+allocated (`jaxmamba.llm._fit_every_program`): a program may copy a cache array, so what it
+needs can grow with the cache, and the plan is made again until every program fits beside
+it. A configuration whose programs do not fit beside the smallest cache is refused, naming
+the setting and the largest value that fits.
 
 * GPU/TPU: `limit` and `in use` are `device.memory_stats()`'s `bytes_limit` and
   `bytes_in_use`. On GPU `bytes_limit` is JAX's allocator pool, by default 75 % of the GPU

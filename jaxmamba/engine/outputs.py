@@ -25,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -54,6 +54,9 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
     # {token_id: Logprob} of that token and the top-k (in the first output of a stream)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Why the request failed (a step that carried it raised; its unfinished samples end with
+    # finish_reason "error"); None otherwise.
+    error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold the next step's delta for this request into this output."""
@@ -71,3 +74,4 @@ class RequestOutput:
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
         self.metrics = delta.metrics
+        self.error = delta.error

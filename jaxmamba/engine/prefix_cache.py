@@ -275,6 +275,14 @@ class PrefixCache:
         parent.children[node.key] = node
         self.num_nodes += 1
 
+    def clear(self) -> None:
+        """Forget every node without freeing its slot or pages: the device state they named is
+        gone, and the caller empties the pools whole. The counters stay."""
+        self.root = Node(parent=None, key=(), depth=0)
+        self.num_nodes = 0
+        self.num_checkpoints = 0
+        self.inflation = 0.0
+
     def reset(self) -> None:
         """Drop every unreferenced node (e.g. between benchmark runs)."""
         self.evict(self.slots.capacity, self.pages.capacity)

@@ -145,6 +145,23 @@ def fallback_sampler(sampler: str, held) -> str:
     return FULL
 
 
+def default_compile_workers() -> int:
+    """Threads that compile programs side by side: one per core, at most 8, on GPU and TPU;
+    one on CPU, where writing an executable to the persistent compilation cache while another
+    thread compiles crashes the process (a segfault in `put_executable_and_time`, jax 0.10.2,
+    seen in tests/test_memory_sizing.py)."""
+    return 1 if jax.default_backend() == "cpu" else min(8, os.cpu_count() or 1)
+
+
+def program_name(program: tuple) -> str:
+    """`T=64 B=8 decode=4 greedy` for a step program `(bucket, sampler)`; `fork` or `score`
+    for a side program."""
+    if len(program) == 1:
+        return program[0]
+    bucket, sampler = program
+    return f"T={bucket.num_tokens} B={bucket.num_rows} decode={bucket.num_decode} {sampler}"
+
+
 def step_bucket(inputs: StepInputs, num_decode: int) -> tuple[int, int, int]:
     """The bucket `(num_tokens, num_rows, num_decode)` of a step's inputs."""
     return (int(np.shape(inputs.input_ids)[0]), int(np.shape(inputs.state_slots)[0]),
@@ -205,8 +222,8 @@ class StepRunner:
 
     cfg: ModelConfig
     cache_spec: CacheSpec
-    cache: object
-    slot_state: object
+    cache: object = None
+    slot_state: object = None
     # Whether decode steps may run the PLAIN and GREEDY sampler programs.
     sampler_variants: bool = True
     # Called with each step's host inputs and `num_decode` before it is dispatched, and
@@ -240,7 +257,29 @@ class StepRunner:
         """Dispatch `score_fn` on `targets` (`asked_targets`); returns its packed rows."""
         raise NotImplementedError
 
+    def _new_state(self) -> tuple:
+        """A fresh `(cache, slot_state)`, made as the constructor makes them."""
+        raise NotImplementedError
+
     # -- shared -------------------------------------------------------------------------------
+    def reset_state(self) -> None:
+        """Replace `cache` and `slot_state` with fresh ones (`_new_state`, so every compiled
+        program takes them as it is): after a failed step consumed them. What they held is
+        lost. Their buffers are freed first, whoever still holds them (a traceback may): a
+        device sized for one state has no room for a second."""
+        for leaf in jax.tree.leaves((self.cache, self.slot_state)):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        self.cache, self.slot_state = self._new_state()
+
+    def holds_state(self, cache, slot_state) -> bool:
+        """Whether `cache` and `slot_state`, read before a call that raised, are still this
+        runner's state and whole: no program replaced them, and none consumed (was donated)
+        one of their buffers. A host-side look at each buffer's deleted flag: no device work."""
+        if cache is not self.cache or slot_state is not self.slot_state:
+            return False
+        return not any(leaf.is_deleted() for leaf in jax.tree.leaves((cache, slot_state)))
+
     def samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
         """The sampler programs `step` runs for a bucket (the full one alone with the variants
         off)."""
@@ -293,23 +332,49 @@ class StepRunner:
         prompt_logprobs adds), on a bucket's padding: pad slots onto themselves, no target."""
         jax.block_until_ready(self._side_programs(fork_inputs(padding), padding_targets()))
 
-    def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:
-        """Compile every program of these buckets (`programs`), then run each once on padding
-        only, and the side programs once. The programs compile in `workers` threads (default:
-        one per core, at most 8): XLA's compiles release the GIL, so they overlap (tracing
-        does not)."""
+    def compile_programs(self, buckets, build_inputs, progress=None,
+                         workers: int | None = None) -> dict[tuple, int | None]:  # fmt: skip
+        """Compile every program `step` can run for these buckets (`programs`) and the side
+        programs, in `workers` threads (`default_compile_workers`): XLA's compiles release
+        the GIL, so they overlap (tracing does not). Returns each program's device
+        bytes beyond its arguments (`program_bytes`; None where this runner cannot tell),
+        keyed `(bucket, sampler)` and `("fork",)`, `("score",)`. `progress(done, total,
+        program)` is called as each finishes."""
         programs = self.programs(buckets)
         inputs = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
-        workers = workers or min(8, os.cpu_count() or 1)
+        prefill = [b for b in buckets if b.num_rows > b.num_decode]
+        side = [(("fork",), prefill[0]), (("score",), prefill[0])] if prefill else []
+        jobs = [
+            (lambda p=p, x=x: self._compile(p, x)) for p, x in zip(programs, inputs, strict=True)
+        ]
+        jobs += [(lambda p=p, b=b: self._compile_side(p, build_inputs(b))) for p, b in side]
+        keys = programs + [p for p, _ in side]
+        workers = workers or default_compile_workers()
+        needs = {}
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            for i, _ in enumerate(pool.map(self._compile, programs, inputs)):
+            for i, (key, compiled) in enumerate(
+                zip(keys, pool.map(lambda job: job(), jobs), strict=True)
+            ):
+                needs[key] = None if compiled is None else program_bytes(compiled)
                 if progress is not None:
-                    progress(i + 1, len(programs), programs[i][0])
-        for (bucket, sampler), x in zip(programs, inputs, strict=True):
+                    progress(i + 1, len(keys), key)
+        return needs
+
+    def precompile(self, buckets, build_inputs, progress=None, workers: int | None = None) -> None:
+        """Compile every program of these buckets and the side programs (`compile_programs`),
+        then run each once on padding only."""
+        self.compile_programs(buckets, build_inputs, progress, workers)
+        for bucket, sampler in self.programs(buckets):
+            x = build_inputs(bucket)
             jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
         prefill = [b for b in buckets if b.num_rows > b.num_decode]
         if prefill:
             self.run_side_programs(build_inputs(prefill[0]))
+
+    def _compile_side(self, program: tuple, padding: StepInputs):
+        """Compile the side program `("fork",)` or `("score",)`; returns it compiled (None:
+        this runner holds it already compiled)."""
+        return None
 
 
 class ModelRunner(StepRunner):
@@ -326,10 +391,14 @@ class ModelRunner(StepRunner):
         small_m_impl: str | None = None,
         tensor_parallel_size: int = 1,
         mesh=None,
+        allocate: bool = True,
     ):
         """`tensor_parallel_size > 1`: the model runs sharded over a mesh of that many
         devices (`mesh`, default the first devices; jaxmamba.parallel); `params` are the
-        whole model's, as loaded."""
+        whole model's, as loaded. `allocate=False`: `cache` and `slot_state` are only their
+        shapes (`jax.ShapeDtypeStruct`s), so the runner compiles its programs
+        (`compile_programs`, for their memory) before the cache takes memory; it runs after
+        `reset_state`."""
         from jaxmamba.model.model import Mamba2HybridLM
 
         super().__init__()
@@ -337,17 +406,18 @@ class ModelRunner(StepRunner):
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
         self.tensor_parallel_size = tensor_parallel_size
-        slot_state = init_slot_state(cfg, cache_spec, self.dtype)
         # One device: the host arrays go to the jitted step as they are; its C++ dispatch moves
         # them, cheaper than a Python `device_put` per array (`scripts/bench_host_loop.py`).
         self._put_inputs = _as_is
         if tensor_parallel_size == 1 and mesh is None:
             self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
             self.params = params
-            self.cache: StateCache = init_cache(cfg, cache_spec, self.dtype)
+            self._new_state = lambda: (init_cache(cfg, cache_spec, self.dtype),
+                                       init_slot_state(cfg, cache_spec, self.dtype))  # fmt: skip
             self._static = dict(model=self.model, spec=cache_spec)
             self._jit_step, self._jit_logits = jitted_step, jitted_logits
             self._jit_score, self._jit_fork = jitted_score, jitted_fork
+            state_sharding = None  # the arrays `_new_state` makes are not committed
         else:
             from jaxmamba.parallel import sharding, step
 
@@ -355,15 +425,30 @@ class ModelRunner(StepRunner):
             plan, replicated = mesh_plan.plan, sharding.replicated(mesh_plan.mesh)
             self.model = Mamba2HybridLM(plan.shard_config(), self.dtype, impl, small_m_impl,
                                         plan.layout())  # fmt: skip
-            self.params = sharding.shard_params(plan, params, mesh_plan.mesh)
-            self.cache = sharding.init_sharded_cache(plan, cache_spec, self.dtype,
-                                                     mesh_plan.mesh)  # fmt: skip
-            slot_state = jax.device_put(slot_state, replicated)
+            shard = sharding.shard_params if allocate else sharding.sharded_param_shapes
+            self.params = shard(plan, params, mesh_plan.mesh)
+            self._new_state = lambda: (
+                sharding.init_sharded_cache(plan, cache_spec, self.dtype, mesh_plan.mesh),
+                jax.device_put(init_slot_state(cfg, cache_spec, self.dtype), replicated),
+            )
             self._put_inputs = functools.partial(jax.device_put, device=replicated)
             self._static = dict(model=self.model, spec=cache_spec, mesh_plan=mesh_plan)
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
             self._jit_score, self._jit_fork = step.jitted_tp_score, step.jitted_tp_fork
-        self.slot_state = slot_state
+            state_sharding = replicated
+        self.cache: StateCache
+        if allocate:
+            self.reset_state()
+        else:  # the arrays' shapes, on the devices they will be on
+            self.cache, self.slot_state = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(
+                    a.shape, a.dtype, sharding=state_sharding, weak_type=a.weak_type
+                ),
+                jax.eval_shape(self._new_state),
+            )
+            if tensor_parallel_size > 1 or mesh is not None:
+                self.cache = sharding.sharded_cache_shapes(plan, cache_spec, self.dtype,
+                                                           mesh_plan.mesh)  # fmt: skip
         # The sampler variants of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
 
@@ -417,11 +502,19 @@ class ModelRunner(StepRunner):
             inputs = PackedStepInputs.pack(inputs)
         return (self.params, self.cache, self.slot_state, inputs), kwargs
 
-    def _compile(self, program: tuple, inputs: StepInputs) -> None:
+    def _compile(self, program: tuple, inputs: StepInputs):
         bucket, sampler = program
         packed = self._put_inputs(PackedStepInputs.pack(inputs))
         args, kwargs = self.step_args(packed, bucket.num_decode, sampler)
-        self._jit_step.lower(*args, **kwargs).compile()  # fills the jit's own cache
+        return self._jit_step.lower(*args, **kwargs).compile()  # fills the jit's own cache
+
+    def _compile_side(self, program: tuple, padding: StepInputs):
+        if program == ("fork",):
+            forks = self._put_inputs(fork_inputs(padding))
+            return self._jit_fork.lower(self.cache, *forks, **self._static).compile()
+        targets = self._put_inputs(padding_targets())
+        return self._jit_score.lower(self.params, self.slot_state.prompt_hidden, targets,
+                                     **self._static).compile()  # fmt: skip
 
 
 def step_temporary_bytes(
@@ -457,6 +550,12 @@ def step_temporary_bytes(
     shapes = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
     args = (params, cache_shapes(cfg, spec, dtype), shapes, inputs)
     compiled = jitted_step.lower(*args, num_decode=num_decode, model=model, spec=spec).compile()
+    return program_bytes(compiled)
+
+
+def program_bytes(compiled) -> int:
+    """Device bytes a compiled program needs beyond its arguments: XLA's memory analysis of
+    it (temporaries, and outputs that alias no donated input); 0 where the backend has none."""
     analysis = compiled.memory_analysis()
     if analysis is None:
         return 0

@@ -25,6 +25,8 @@ admitted afterwards like any request and resume from the prefix cache.
 
 `transaction()` wraps scheduling a step and dispatching it: every change made inside (queues,
 request counters, slots, pages, prefix-cache references and evictions) is undone if it raises.
+When the device state itself is lost (a step consumed it and failed), `drop_device_state`
+ends the running requests' hold on everything and empties the pools and the prefix cache.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ class Scheduler:
         if config.pages < config.max_pages_per_seq:
             raise ValueError(f"num_pages {config.pages} cannot hold one max_model_len sequence")
         self.undo = UndoLog()
-        self._saved: set[int] = set()  # requests whose fields the open transaction saved
+        # id -> request, for the requests whose fields the open (or last) transaction saved
+        self._saved: dict[int, Request] = {}
         self.slots = BlockAllocator(config.state_slots, "state slot", self.undo)
         self.pages = BlockAllocator(config.pages, "KV page", self.undo)
         self.block_size = math.lcm(model_cfg.chunk_size, config.page_size)
@@ -153,7 +156,7 @@ class Scheduler:
     def transaction(self):
         """Everything changed inside is put back if the block raises."""
         self.undo.begin()
-        self._saved = set()
+        self._saved = {}
         try:
             yield
         except BaseException:
@@ -169,10 +172,15 @@ class Scheduler:
         """Register how to restore `req`'s scheduling fields (once per transaction)."""
         if not self.undo.active or id(req) in self._saved:
             return
-        self._saved.add(id(req))
+        self._saved[id(req)] = req
         before = _request_fields(req)  # one tuple: cheaper than a dict per row and step
         self.undo.push(lambda: req.__dict__.update(zip(self._REQUEST_FIELDS, before,
                                                        strict=True)))  # fmt: skip
+
+    def transaction_requests(self) -> list[Request]:
+        """The requests the open (or last) transaction began to schedule (admitting, forking or
+        feeding them): those a `schedule()` that raised was carrying."""
+        return list(self._saved.values())
 
     def pool_split(self) -> dict[str, int]:
         """How the state-slot pool divides: `max_num_seqs` slots for running requests, the
@@ -357,6 +365,10 @@ class Scheduler:
                     return True
         return False
 
+    def _unhold(self, req: Request) -> None:
+        req.was_held = False
+        self.held_admissions -= 1
+
     def _drop_branch(self, req: Request) -> None:
         entry = self.pending_branches.pop(id(req), None)
         if entry is not None:
@@ -375,6 +387,21 @@ class Scheduler:
             self.slots.free([req.slot])
             req.slot = None
         self.running.remove(req)
+
+    def drop_device_state(self) -> list[Request]:
+        """The device's cache and slot state are lost (a failed step consumed them): every
+        running request lets go of its slot, pages and prefix-cache nodes, the prefix cache
+        forgets its checkpoints, and every slot and page is free again (waiting requests hold
+        none). Outside any transaction. Returns the requests that were running."""
+        running, self.running = self.running, []
+        for req in running:
+            req.node_refs, req.owned_pages, req.pages, req.slot = [], set(), [], None
+        self.pending_branches.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.slots.reset()
+        self.pages.reset()
+        return running
 
     def record_checkpoint(self, req: Request, length: int, slot: int) -> None:
         """After a step wrote `slot` = state at `length`: hand it to the prefix cache."""
@@ -538,12 +565,10 @@ class Scheduler:
             if self._scores_prompt(req) and scored_left == 0:
                 continue  # admitted once a step has prompt tokens to score left
             if self.pending_branches and self._held(req):
-                if not req.was_held:
-                    self._save(req)
+                if not req.was_held:  # not `_save`d: a held request is not in the step
                     req.was_held = True
                     self.held_admissions += 1
-                    self.undo.push(lambda: setattr(self, "held_admissions",
-                                                   self.held_admissions - 1))  # fmt: skip
+                    self.undo.push(lambda req=req: self._unhold(req))
                 continue
             if not self._admit(req):
                 break

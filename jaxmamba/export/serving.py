@@ -72,8 +72,7 @@ class ArtifactRunner(StepRunner):
         self.dtype = jnp.dtype(m["dtype"])
         self.params = self._load_params(params, weights)
         self._check_state()
-        self.cache = _zeros(m["state"]["cache"])
-        self.slot_state = _zeros(m["state"]["slot_state"])
+        self.reset_state()
         self._entries = {_bucket_key(e): e for e in artifact.buckets()}
         self._steps: dict[tuple, Callable] = {}  # (bucket, sampler) -> its step
         self._side: dict[str, Callable] = {}  # "score", "fork" -> the program, once built
@@ -85,6 +84,10 @@ class ArtifactRunner(StepRunner):
         self.loaded_executables = 0  # steps loaded compiled (`export --executables`)
         # (bucket, sampler) -> (its compiled step, compiled here afresh, not from the cache)
         self.compiled: dict[tuple, tuple] = {}
+
+    def _new_state(self) -> tuple:
+        state = self.artifact.manifest["state"]
+        return _zeros(state["cache"]), _zeros(state["slot_state"])
 
     def _check_state(self) -> None:
         """The cache and sampler state the manifest lists are what its `model` and `cache`

@@ -3,8 +3,10 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
 `"stream": true`), `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`.
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a 4xx status for
-the client's mistakes. The engine runs in its own thread (`EngineLoop`); handlers only queue
-commands to it and await their outputs.
+the client's mistakes, and 500 (`"type": "InternalServerError"`, `"code": 500`, as vLLM sends
+it) for the engine's: a request whose step failed gets that, or on a stream an error event
+before `[DONE]`, while the others go on. The engine runs in its own thread (`EngineLoop`);
+handlers only queue commands to it and await their outputs.
 """
 
 from __future__ import annotations
@@ -68,11 +70,16 @@ class ServerConfig:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
+                 param: str | None = None, code: str | int | None = None,
                  headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers
+
+
+def internal_error(message: str) -> ApiError:
+    """The engine failed this request: 500 in the shape vLLM gives it."""
+    return ApiError(500, message, type="InternalServerError", code=500)
 
 
 class _AsciiJSONResponse(JSONResponse):
@@ -84,7 +91,7 @@ class _AsciiJSONResponse(JSONResponse):
 
 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None,
+                   param: str | None = None, code: str | int | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return _AsciiJSONResponse(body, status_code=status, headers=headers)
@@ -180,7 +187,7 @@ class _Generation:
             self.close()
             if isinstance(failure, ValueError | TypeError | NotImplementedError):
                 raise _bad_params(failure)
-            raise ApiError(500, f"the engine failed: {failure}", type="server_error")
+            raise internal_error(f"the engine failed: {failure}")
 
     def _check_gone(self, item) -> None:
         """Raise if `item` says the client left or the server ended this request."""
@@ -208,9 +215,15 @@ class _Generation:
             if isinstance(item, Failed):
                 self.unfinished.discard(item.request_id)
                 self.close()
-                raise ApiError(500, f"the engine failed: {item.error}", type="server_error")
+                raise internal_error(f"the engine failed: {item.error}")
             if not isinstance(item, RequestOutput):
                 continue
+            if item.error is not None:  # a step that carried it failed: the others go on
+                self.unfinished.discard(item.request_id)
+                failed = sum(c.finish_reason == "error" for c in item.outputs)
+                metrics.finished.labels("error").inc(failed)
+                self.close()
+                raise internal_error(item.error)
             p = self.index[item.request_id]
             if item.prompt_logprobs is not None:
                 self.prompt_logprobs[p] = item.prompt_logprobs
@@ -488,8 +501,7 @@ class OpenAIServer:
         @app.exception_handler(Exception)
         async def _internal(request, err: Exception):
             logger.exception("unhandled error in %s", request.url.path)
-            return error_response(500, f"internal error: {type(err).__name__}: {err}",
-                                  type="server_error")  # fmt: skip
+            return _from_api_error(internal_error(f"internal error: {type(err).__name__}: {err}"))
 
         @app.get("/health")
         async def health():

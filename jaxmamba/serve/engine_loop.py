@@ -3,7 +3,8 @@
 Handlers call `submit` / `abort` / `call`, which append a command and notify a condition;
 the thread drains the commands between steps, steps while anything is unfinished, and
 otherwise sleeps on the condition (no busy wait). Each step's outputs go back to the
-handlers' asyncio queues in one `loop.call_soon_threadsafe` per event loop per step.
+handlers' asyncio queues in one `loop.call_soon_threadsafe` per event loop per step; a request
+that a failed step ended gets its output with `error` set, like any last output.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class EngineLoop:
                     started = time.perf_counter()
                     try:
                         outputs = engine.step()
-                    except Exception as err:  # the step rolled back; drop what was running
+                    except Exception as err:  # a failure no request carried: reset it all
                         logger.exception("engine step failed; aborting every running request")
                         if not self._fail_all(err, out):
                             raise  # the engine cannot even be reset: this loop ends
