@@ -51,7 +51,9 @@ def seen(tmp_path_factory) -> dict:
     root = Path(__file__).resolve().parents[1]
     # Not the checkout root: its `kernels/` folder would shadow the `kernels` package
     # transformers imports (tests/conftest.py); jaxmamba comes from its install.
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])
+    # (An empty entry would stand for the working directory, the root again.)
+    paths = [str(root / "tests"), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     proc = subprocess.run(
         [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1800
     )
