@@ -299,8 +299,9 @@ LLM.__init__.__signature__ = _init_signature()
 def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: str = "auto"):
     """The cache's slots and pages (`memory.CachePlan`), sized as jaxmamba/engine/memory.py
     says, and logged. GPU/TPU: from the device's memory after the weights (in use) and the
-    largest steps' temporaries (XLA's memory analysis of the largest prefill and decode
-    buckets); CPU: the given or default sizes, checked against the host's MemAvailable."""
+    temporaries of the hungriest program, every program compiled at the planned cache's
+    shapes (`_fit_every_program`); CPU: the given or default sizes, checked against the
+    host's MemAvailable."""
     import jax
 
     from jaxmamba.engine import memory
