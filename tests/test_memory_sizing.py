@@ -3,6 +3,8 @@ a budget, clear errors that say what fits, and the LLM wired to it."""
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,7 +218,30 @@ def test_the_programs_compiled_for_sizing_are_the_ones_the_engine_runs(fake_devi
     assert llm.runner.num_compiles == before
 
 
-def test_too_many_batched_tokens_are_refused_naming_the_largest_that_fits(monkeypatch, params):
+@pytest.fixture(autouse=True)
+def release_executables():
+    """Each test here compiles every program of several engines: freeing them after each
+    test, not only after the module (tests/conftest.py), keeps this module's XLA:CPU
+    executables under Linux's memory-map limit (without it, a compile late in this file
+    crashed the process: SIGSEGV or SIGABRT inside XLA)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture
+def no_persistent_cache():
+    """LLM settings that keep this test's executables out of JAX's persistent compilation
+    cache: writing one of them there segfaulted the process (jax 0.10.2, XLA:CPU, in
+    `put_executable_and_time`, under xdist with a cold cache); put back afterwards."""
+    before = jax.config.jax_enable_compilation_cache
+    yield dict(compilation_cache=False)
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
+def test_too_many_batched_tokens_are_refused_naming_the_largest_that_fits(
+    monkeypatch, params, no_persistent_cache
+):
     """A device with room for the smallest cache and the steps of 64 tokens, not 128: LLM
     refuses max_num_batched_tokens=128 at start-up, saying at most 64 fits (from XLA's
     analysis of every program), and starts with 64."""
@@ -244,9 +269,10 @@ def test_too_many_batched_tokens_are_refused_naming_the_largest_that_fits(monkey
     monkeypatch.setattr(memory, "device_memory", lambda device: fake)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=128: .* at most "
                                          r"max_num_batched_tokens=64 fits"):  # fmt: skip
-        LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **engine)
+        LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **engine,
+            **no_persistent_cache)  # fmt: skip
     llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params,
-              **dict(engine, max_num_batched_tokens=64))  # fmt: skip
+              **dict(engine, max_num_batched_tokens=64), **no_persistent_cache)  # fmt: skip
     assert llm.cache_plan.state_slots >= TINY["max_num_seqs"]
 
 

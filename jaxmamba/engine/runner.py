@@ -23,6 +23,7 @@ entries, whether a row asked or not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import Counter
@@ -147,9 +148,9 @@ def fallback_sampler(sampler: str, held) -> str:
 
 def default_compile_workers() -> int:
     """Threads that compile programs side by side: one per core, at most 8, on GPU and TPU;
-    one on CPU, where writing an executable to the persistent compilation cache while another
-    thread compiles crashes the process (a segfault in `put_executable_and_time`, jax 0.10.2,
-    seen in tests/test_memory_sizing.py)."""
+    one on CPU, where a compile beside other work on another thread crashed the process (a
+    segfault in the compilation cache's `put_executable_and_time`, jax 0.10.2, seen in
+    tests/test_memory_sizing.py under xdist)."""
     return 1 if jax.default_backend() == "cpu" else min(8, os.cpu_count() or 1)
 
 
@@ -351,10 +352,13 @@ class StepRunner:
         keys = programs + [p for p, _ in side]
         workers = workers or default_compile_workers()
         needs = {}
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            for i, (key, compiled) in enumerate(
-                zip(keys, pool.map(lambda job: job(), jobs), strict=True)
-            ):
+        with contextlib.ExitStack() as stack:
+            if workers > 1:
+                pool = stack.enter_context(ThreadPoolExecutor(workers))
+                done = pool.map(lambda job: job(), jobs)
+            else:  # on this thread: nothing runs beside a compile
+                done = (job() for job in jobs)
+            for i, (key, compiled) in enumerate(zip(keys, done, strict=True)):
                 needs[key] = None if compiled is None else program_bytes(compiled)
                 if progress is not None:
                     progress(i + 1, len(keys), key)
