@@ -229,19 +229,7 @@ def release_executables():
     gc.collect()
 
 
-@pytest.fixture
-def no_persistent_cache():
-    """LLM settings that keep this test's executables out of JAX's persistent compilation
-    cache: writing one of them there segfaulted the process (jax 0.10.2, XLA:CPU, in
-    `put_executable_and_time`, under xdist with a cold cache); put back afterwards."""
-    before = jax.config.jax_enable_compilation_cache
-    yield dict(compilation_cache=False)
-    jax.config.update("jax_enable_compilation_cache", before)
-
-
-def test_too_many_batched_tokens_are_refused_naming_the_largest_that_fits(
-    monkeypatch, params, no_persistent_cache
-):
+def test_too_many_batched_tokens_are_refused_naming_the_largest_that_fits(monkeypatch, params):
     """A device with room for the smallest cache and the steps of 64 tokens, not 128: LLM
     refuses max_num_batched_tokens=128 at start-up, saying at most 64 fits (from XLA's
     analysis of every program), and starts with 64."""
@@ -269,10 +257,9 @@ def test_too_many_batched_tokens_are_refused_naming_the_largest_that_fits(
     monkeypatch.setattr(memory, "device_memory", lambda device: fake)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=128: .* at most "
                                          r"max_num_batched_tokens=64 fits"):  # fmt: skip
-        LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **engine,
-            **no_persistent_cache)  # fmt: skip
+        LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **engine)
     llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params,
-              **dict(engine, max_num_batched_tokens=64), **no_persistent_cache)  # fmt: skip
+              **dict(engine, max_num_batched_tokens=64))  # fmt: skip
     assert llm.cache_plan.state_slots >= TINY["max_num_seqs"]
 
 

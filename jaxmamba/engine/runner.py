@@ -148,9 +148,7 @@ def fallback_sampler(sampler: str, held) -> str:
 
 def default_compile_workers() -> int:
     """Threads that compile programs side by side: one per core, at most 8, on GPU and TPU;
-    one on CPU, where a compile beside other work on another thread crashed the process (a
-    segfault in the compilation cache's `put_executable_and_time`, jax 0.10.2, seen in
-    tests/test_memory_sizing.py under xdist)."""
+    one on CPU, where XLA's compiles already use the cores the process itself runs on."""
     return 1 if jax.default_backend() == "cpu" else min(8, os.cpu_count() or 1)
 
 
