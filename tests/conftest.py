@@ -20,9 +20,14 @@ _CUDA = os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu") and any(
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if not _CUDA and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
-# The xdist workers share one GPU: each takes memory as it needs it, not 75 % of it up front.
+# The xdist workers share one GPU: each takes memory as it needs it, not 75 % of it up front,
+# and at most its share of 80 % of it (the rest is the driver's: the workers' CUDA contexts,
+# command buffers, cuBLAS workspaces). The share is also the limit an `LLM` sizes its cache
+# within (`memory_stats()["bytes_limit"]`), so one test's engine cannot starve the others.
 if _CUDA:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / _workers:.3f}")
 
 # `python -m pytest` from the checkout root puts the root first on sys.path, and with it our
 # `kernels/` folder (installed as `jaxmamba.kernels`) as a top-level package `kernels`. That
@@ -116,6 +121,23 @@ def pytest_unconfigure(config):
     path = getattr(config, "_jaxmamba_cache", None)
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def full_precision_float32_dots(request):
+    """On a GPU, float32 dots default to TF32 (a 10-bit mantissa); the suite's float32
+    tolerances assume full float32, as on CPU, where the references and the interpreted kernels
+    it compares run. The GPU tier (`tests/gpu/`) runs at the default precision a server runs
+    with, its tolerances set for TF32. Global, not a thread-local context: the engine traces
+    some programs on its compile threads."""
+    if not _CUDA or request.path.parent.name == "gpu":
+        yield
+        return
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -62,10 +62,14 @@ FORBIDDEN = ("callback", "infeed", "outfeed")
 
 
 def primitive_names(jaxpr) -> set[str]:
-    """Every primitive of `jaxpr`, sub-jaxprs included."""
+    """Every primitive of `jaxpr`, sub-jaxprs included, except inside a Pallas kernel: a
+    `cond` there is a branch of the kernel's own code on the device (Triton's `scf.if`), not
+    an XLA conditional (the GPU conv kernel branches on whether a tile is interior)."""
     names = set()
     for eqn in jaxpr.eqns:
         names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             names |= primitive_names(sub)
     return names

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from jaxmamba import LLM, SamplingParams
-from jaxmamba.export.artifact import MANIFEST, ArtifactError, read_artifact
+from jaxmamba.export.artifact import MANIFEST, ArtifactError, read_artifact, runtime_platform
 from jaxmamba.export.writer import export_artifact
 
 from hf_fixtures import make_nemotron_h_checkpoint
@@ -61,9 +61,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def artifact(checkpoint, tmp_path_factory):
+    # This machine's platform, and CPU's for the fresh process that serves it on CPU.
     return export_artifact(
-        str(checkpoint[0]), tmp_path_factory.mktemp("export") / "art", engine=ENGINE
-    )
+        str(checkpoint[0]), tmp_path_factory.mktemp("export") / "art", engine=ENGINE,
+        platforms=sorted({"cpu", runtime_platform()}),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +217,7 @@ def _edit(path: Path, change) -> None:
     [
         (lambda m: m.update(jax_version="0.0.1"), "jax_version", "0.0.1", None),
         (lambda m: m.update(format_version=99), "format_version", "99", "1"),
-        (lambda m: m.update(platforms=["tpu"]), "platforms", "['tpu']", "'cpu'"),
+        (lambda m: m.update(platforms=["tpu"]), "platforms", "['tpu']", repr(runtime_platform())),
         (lambda m: m["input_fields"].pop(), "input_fields", None, "penalty_reset"),
         (lambda m: m["model"].update(vocab_size=101), "state.slot_state", "97", "101"),
         (lambda m: m["buckets"][1]["outputs"][0]["shape"].__setitem__(1, 7), "outputs", "7",

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -25,7 +24,6 @@ from jaxmamba.model.params import init_params
 from model_helpers import FORBIDDEN, builder, make_runner, primitive_names, row
 
 PRESET = "qwen3-next-tiny"
-ROOT = Path(__file__).resolve().parents[1]
 # Blocks of lcm(chunk 64, page 16) = 64 tokens; 6 programs (decode 1 / 4 rows; 64 / 256
 # step tokens) keep XLA:CPU's compiles few.
 ENGINE = dict(max_num_seqs=4, max_model_len=384, max_num_batched_tokens=256, max_prefill_seqs=4,
@@ -205,7 +203,6 @@ def test_tensor_parallel_gdn_equals_one_device(tmp_path):
     out = tmp_path / "seen.json"
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     engine = {**ENGINE, "max_num_batched_tokens": 64}
     prompts = np.random.default_rng(7).integers(0, 256, (2, 37)).tolist()
     proc = subprocess.run(

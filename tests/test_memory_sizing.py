@@ -76,6 +76,22 @@ def test_the_split_runs_rows_first_then_their_pages_then_checkpoints(budget, cac
     assert p.max_concurrency == p.pages // 8
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_model_without_attention_pays_nothing_for_its_pages(caching):
+    """Pure Mamba2 models (`mamba2-*`) have no KV pages to store: a page is a block-table
+    entry and costs 0 bytes. The budget goes to slots; the pages cover every running row at
+    max_model_len and each checkpoint's interval."""
+    budget = 1000 + 10 * 1000 + 500  # the pad slot, 10 slots, a remainder
+    p = plan(budget, per_page=0, prefix_caching=caching)
+    slots = 10 if caching else 4
+    assert (p.state_slots, p.pages) == (slots, 4 * 8 + 16 * (slots - 4))
+    assert p.cache_bytes == (slots + 1) * 1000 <= budget
+    assert plan(budget, per_page=0, num_pages=9).pages == 9
+    assert plan(budget, per_page=0, num_state_slots=6).state_slots == 6
+    with pytest.raises(ValueError, match=r"at most max_num_seqs=2"):
+        plan(3 * 1000 + 500, per_page=0)
+
+
 def test_too_long_max_model_len_says_how_long_fits():
     budget = 1010 + 4000 + 50 * 10  # pad + 4 slots + 50 pages
     with pytest.raises(ValueError, match=r"at most max_model_len=800 fits"):

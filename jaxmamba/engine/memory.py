@@ -209,7 +209,7 @@ def plan_cache(
     need = slots_min * per_slot + pages_min * per_page
     if need > free:
         fit_slots = max((free - pages_min * per_page) // per_slot, 0)  # beside pages_min
-        fit_pages = max((free - slots_min * per_slot) // per_page, 0)  # beside slots_min
+        fit_pages = max((free - slots_min * per_slot) // max(per_page, 1), 0)  # beside slots_min
         if num_state_slots is not None and num_pages is not None:
             detail = (
                 f"num_state_slots={num_state_slots} and num_pages={num_pages} need {gib(need)}, "
@@ -238,6 +238,11 @@ def plan_cache(
     if num_state_slots is not None and num_pages is not None:
         return plan(num_state_slots, num_pages)
     full_pages = max_num_seqs * max_pages_per_seq  # every running row at max_model_len
+    if per_page == 0:  # no attention layer: a page is only a block-table entry, free
+        slots = num_state_slots or (free // per_slot if prefix_caching else max_num_seqs)
+        # Every running row at max_model_len, and each checkpoint's pages.
+        pages = full_pages + (slots - max_num_seqs) * pages_per_checkpoint
+        return plan(slots, num_pages or pages)
     if num_state_slots is not None:
         pages = (free - num_state_slots * per_slot) // per_page
         return plan(num_state_slots, pages if prefix_caching else min(pages, full_pages))

@@ -31,6 +31,7 @@ def _engine_fields(args) -> dict:
 
 
 def cmd_export(args) -> int:
+    from jaxmamba.export.artifact import runtime_platform
     from jaxmamba.export.compile_cache import setup_compilation_cache
     from jaxmamba.export.writer import export_artifact
 
@@ -40,7 +41,7 @@ def cmd_export(args) -> int:
             f"--tensor-parallel-size {args.tensor_parallel_size}: artifacts hold one-device "
             "steps; serve the model itself to run it sharded (docs/tensor_parallel.md)"
         )
-    platforms = [p.strip() for p in args.platforms.split(",") if p.strip()]
+    platforms = [p.strip() for p in (args.platforms or runtime_platform()).split(",") if p.strip()]
     start = time.perf_counter()
     out = export_artifact(
         args.model,
@@ -73,8 +74,8 @@ def add_parsers(sub) -> None:
     exp.add_argument("--out", required=True, help="the artifact directory to create")
     exp.add_argument(
         "--platforms",
-        default="cpu",
-        help="comma-separated jax.export platforms among cpu, cuda, tpu (default: cpu)",
+        help="comma-separated jax.export platforms among cpu, cuda, tpu (default: this "
+        "machine's, as jax.default_backend() names it)",
     )
     exp.add_argument(
         "--no-weights",

@@ -257,7 +257,7 @@ def export_artifact(
     model: str,
     out: str | os.PathLike,
     *,
-    platforms: Sequence[str] = ("cpu",),
+    platforms: Sequence[str] | None = None,
     dtype: str = "auto",
     seed: int = 0,
     engine: dict | None = None,
@@ -273,6 +273,8 @@ def export_artifact(
     """Export `model` (a preset, YAML or HF checkpoint) served with the `engine` settings
     (`EngineConfig` fields) into the directory `out`; returns it.
 
+    `platforms`: the `jax.export` platforms to export for (cpu, cuda, tpu); default this
+    process's own, so the artifact serves on the machine that exported it.
     `buckets`: the `Bucket`s to export (default: every bucket the scheduler can use, what
     `precompile` compiles); an artifact serves only steps of the buckets it holds.
     `weights=False` (`--no-weights`) leaves the weights out: `LLM(out, params=...)` or
@@ -295,6 +297,8 @@ def export_artifact(
     from jaxmamba.step_contract import StepInputs
 
     say = progress or (lambda _msg: None)
+    if platforms is None:
+        platforms = (runtime_platform(),)
     unknown = sorted(set(platforms) - set(PLATFORM_IMPLS))
     if unknown or not platforms:
         raise ValueError(f"platforms must be among {sorted(PLATFORM_IMPLS)}, got {platforms}")
