@@ -19,6 +19,7 @@ from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.step_contract import MAX_PREFILL_CHECKPOINTS
 
 from hf_fixtures import make_nemotron_h_checkpoint
+from model_helpers import assert_nothing_leaks
 
 BLOCK = 16  # lcm(chunk_size 16, page_size 16)
 SHARED = 200  # the shared prefix: its aligned part is 192 tokens
@@ -135,19 +136,6 @@ def assert_matches_oracles(model, llm_off, prompts, outs):
     for prompt, ours in zip(prompts, got, strict=True):
         assert_greedy_under_hf(model, prompt, ours[:HF_TOKENS])
     assert got == tokens(one_by_one(llm_off, prompts))
-
-
-def assert_nothing_leaks(llm):
-    scheduler = llm.engine.scheduler
-    assert not scheduler.running and not scheduler.waiting and not scheduler.pending_branches
-    cache = scheduler.prefix_cache
-    checkpoints = cache.num_checkpoints if cache is not None else 0
-    assert scheduler.slots.num_free + checkpoints == scheduler.slots.capacity
-    llm.reset_prefix_cache()
-    assert scheduler.slots.num_free == scheduler.slots.capacity
-    assert scheduler.pages.num_free == scheduler.pages.capacity
-    if cache is not None:
-        assert cache.num_nodes == 0 and cache.num_checkpoints == 0
 
 
 def block_floor(n: int) -> int:
