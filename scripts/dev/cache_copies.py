@@ -7,7 +7,11 @@ cache size (nothing allocated): XLA's memory analysis and every copy whose shape
 array's.
 
     python scripts/dev/cache_copies.py --model nemotron-nano-9b-v2 --slots 256 --pages 20000 \
-        --buckets 1x128x128 16x64x0 512x72x8 8192x64x0 [--hlo-dir DIR]
+        --buckets 128x128x128 16x64x0 512x72x8 8192x64x0 [--hlo-dir DIR]
+
+Buckets are TxBxD: step tokens, rows, decode rows (a pure decode bucket has T = B = D). Run
+with `XLA_FLAGS=--xla_dump_to=DIR` and `--temps DIR`: then the largest values in each step's
+preallocated temporary buffer (XLA's buffer assignment), to see what a program holds at once.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1216)
     p.add_argument("--buckets", nargs="+", default=["1x128x128", "16x64x0", "8192x64x0"])
     p.add_argument("--hlo-dir")
+    p.add_argument("--temps", metavar="DUMP_DIR", help="the XLA_FLAGS --xla_dump_to folder")
+    p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     cfg = load_config(args.model)
     dtype = DTYPES[args.dtype]
@@ -71,6 +77,27 @@ def main() -> None:
         if args.hlo_dir:
             with open(f"{args.hlo_dir}/{text}.hlo", "w") as f:
                 f.write(hlo)
+
+    if args.temps:
+        largest_temporaries(args.temps, args.top)
+
+
+def largest_temporaries(dump_dir: str, top: int) -> None:
+    """The largest values of each step's preallocated temp buffer, from XLA's dumps."""
+    import glob
+
+    value = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\)")
+    for path in sorted(glob.glob(f"{dump_dir}/*jit_step_fn*buffer-assignment.txt")):
+        text = open(path).read()
+        block = r"^allocation \d+: size (\d+), preallocated-temp:\n(.*?)(?=^allocation|\Z)"
+        temp = re.search(block, text, re.M | re.S)
+        if temp is None:
+            continue
+        rows = sorted(((int(n), int(o), name) for name, n, o in value.findall(temp.group(2))),
+                      reverse=True)  # fmt: skip
+        print(f"{path.rsplit('/', 1)[-1]}: temp {int(temp.group(1)) / GiB:.2f} GiB")
+        for size, offset, name in rows[:top]:
+            print(f"  {size / GiB:8.3f} GiB at {offset / GiB:8.3f}  {name}")
 
 
 if __name__ == "__main__":
