@@ -18,8 +18,16 @@ if (
 from jaxmamba.config import ModelConfig  # noqa: E402
 from jaxmamba.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from jaxmamba.sampling_params import SamplingParams  # noqa: E402
+from jaxmamba.structured.params import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "ModelConfig", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "ModelConfig",
+    "RequestOutput",
+    "CompletionOutput",
+]
 __version__ = "0.1.0"
 
 

@@ -25,8 +25,12 @@ def render_chat(
     **kwargs: Any,
 ) -> str:
     """`messages` ([{"role", "content"}, ...]) as the prompt text of `chat_template`, else of
-    the tokenizer's own template (tokenizer_config.json `chat_template`)."""
-    template = _pick_template(chat_template or getattr(tokenizer, "chat_template", None))
+    the tokenizer's own template (tokenizer_config.json `chat_template`). `kwargs` are the
+    template's variables, as in transformers: `tools=[{"type": "function", "function":
+    {...}}, ...]` is what a template renders the tools from."""
+    template = _pick_template(
+        chat_template or getattr(tokenizer, "chat_template", None), bool(kwargs.get("tools"))
+    )
     if not isinstance(messages, list | tuple):
         raise TypeError(f"a conversation must be a list of message dicts, got {type(messages)}")
     for i, m in enumerate(messages):
@@ -40,14 +44,20 @@ def render_chat(
     )
 
 
-def _pick_template(template: Any) -> str:
-    # tokenizer_config.json may hold several named templates: [{"name", "template"}, ...].
+def template_text(template: Any, *, tools: bool = False) -> str | None:
+    """The template text of a tokenizer's `chat_template`: a string, or one of named ones
+    ([{"name", "template"}, ...] in tokenizer_config.json): "tool_use" for a conversation with
+    tools where there is one (as transformers picks), else "default"; None if none."""
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
     if isinstance(template, dict):
-        template = template.get("default")
-    if not isinstance(template, str):
+        template = template.get("tool_use" if tools and "tool_use" in template else "default")
+    return template if isinstance(template, str) else None
+
+
+def _pick_template(template: Any, tools: bool) -> str:
+    template = template_text(template, tools=tools)
+    if template is None:
         raise ValueError(
             "no chat template: the tokenizer's tokenizer_config.json has no chat_template "
             "(a string, or a 'default' among named ones); pass chat_template="

@@ -43,16 +43,25 @@ __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParam
 logger = logging.getLogger(__name__)
 
 
-def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_parallel_size: int):
-    """`load_params`; for a sharded model into host memory first (the runner splits it onto
-    the mesh), so the whole model never has to fit one device."""
+def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_parallel_size: int,
+                     quantization: str | None = None):  # fmt: skip
+    """`load_params` (quantized as `quantization` says); for a sharded model into host memory
+    first (the runner splits it onto the mesh), so the whole model never has to fit one
+    device. Quantized weights run on one device only: the sharding rules have no axes for
+    their scales."""
     if tensor_parallel_size == 1:
-        return load_params(model, cfg, dtype, seed)
+        return load_params(model, cfg, dtype, seed, quantization)
     import jax
 
+    from jaxmamba.model.weights import checkpoint_quantization
     from jaxmamba.parallel.plan import TensorParallelPlan
 
     TensorParallelPlan(cfg, tensor_parallel_size)  # refuse an impossible split before loading
+    if quantization is not None or checkpoint_quantization(model) is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} with quantized weights (quantization="
+            f"{quantization!r}, or an FP8 checkpoint) is not implemented: serve it on one device"
+        )
     try:
         host = jax.local_devices(backend="cpu")[0]  # this process's: several hosts each load
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS names only accelerators)
@@ -116,7 +125,7 @@ class LLM:
         self.engine_cfg = engine_cfg.for_chunk_size(self.model_cfg.chunk_size)
         if params is None:
             params = _load_params_for(model, self.model_cfg, self.dtype, run.seed,
-                                      tensor_parallel_size)  # fmt: skip
+                                      tensor_parallel_size, run.quantization)  # fmt: skip
         self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, run.impl)
         self.engine_cfg = dataclasses.replace(
             self.engine_cfg,
@@ -128,6 +137,7 @@ class LLM:
             num_pages=self.engine_cfg.pages,
             page_size=self.engine_cfg.page_size,
             ssm_dtype=self.engine_cfg.ssm_dtype,
+            kv_dtype=self.engine_cfg.kv_cache_dtype,
         )
         self.runner = ModelRunner(
             self.model_cfg, params, spec, dtype=self.dtype, impl=run.impl,
@@ -156,7 +166,9 @@ class LLM:
         `use_tqdm` shows a progress bar (tqdm's if installed, else a plain counter). A request
         whose step failed comes back finished, with `finish_reason="error"` on its unfinished
         samples and `RequestOutput.error` saying why (the engine logs the failure); the others,
-        and the `LLM`, go on."""
+        and the `LLM`, go on. A `structured_outputs` constraint the engine cannot enforce (a
+        malformed or unsatisfiable schema, a bad regex, a keyword it does not implement) is a
+        ValueError naming it, before anything runs."""
         parsed = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.model_cfg.vocab_size)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -165,9 +177,12 @@ class LLM:
         if len(sampling_params) != len(parsed):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(parsed)} prompts")
         engine = self.engine
-        for i, (_, token_ids) in enumerate(parsed):
+        for i, ((_, token_ids), sp) in enumerate(zip(parsed, sampling_params, strict=True)):
             try:
                 engine.check_prompt(token_ids)
+                constraint = getattr(sp, "structured_outputs", None)
+                if constraint is not None:  # compiled once per constraint, and cached
+                    engine.compile_grammar(constraint).result()
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         ids = [str(next(self._ids)) for _ in parsed]
@@ -314,7 +329,7 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
 
         shard_cfg = TensorParallelPlan(model_cfg, tp).shard_config()
     per_slot = memory.slot_bytes(shard_cfg, itemsize, jnp.dtype(cfg.ssm_dtype).itemsize)
-    per_page = memory.page_bytes(shard_cfg, cfg.page_size, itemsize)
+    per_page = memory.page_bytes(shard_cfg, cfg.page_size, cfg.kv_itemsize(itemsize))
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     plan = functools.partial(
         memory.plan_cache,
@@ -461,7 +476,7 @@ def _program_needs(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, imp
     from jaxmamba.engine.scheduler import Scheduler
 
     sized = dataclasses.replace(cfg, num_state_slots=state_slots, num_pages=pages)
-    spec = CacheSpec(state_slots, pages, cfg.page_size, cfg.ssm_dtype)
+    spec = CacheSpec(state_slots, pages, cfg.page_size, cfg.ssm_dtype, cfg.kv_cache_dtype)
     runner = ModelRunner(model_cfg, params, spec, dtype=dtype, impl=impl,
                          tensor_parallel_size=cfg.tensor_parallel_size, allocate=False)  # fmt: skip
     builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size)
@@ -523,7 +538,9 @@ def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params,
         probe = dataclasses.replace(
             cfg, num_state_slots=cfg.max_num_seqs, num_pages=cfg.max_pages_per_seq
         )
-    spec = CacheSpec(probe.state_slots, probe.pages, cfg.page_size, cfg.ssm_dtype)
+    spec = CacheSpec(
+        probe.state_slots, probe.pages, cfg.page_size, cfg.ssm_dtype, cfg.kv_cache_dtype
+    )
     buckets = Scheduler(model_cfg, probe).all_buckets()
     decode = [b for b in buckets if b.num_decode == b.num_rows]
     prefill = [b for b in buckets if b.num_decode < b.num_rows]

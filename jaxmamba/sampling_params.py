@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from jaxmamba.step_contract import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
+from jaxmamba.structured.params import StructuredOutputsParams
 
 # Fields that are declared and validated but whose non-default values nothing acts on yet;
 # setting one raises instead of being silently ignored. Whoever implements a field removes it.
@@ -58,6 +59,9 @@ class SamplingParams:
     Applied on device in vLLM's order: logit_bias and min_tokens masking, then the
     repetition/frequency/presence penalties, temperature, top-k, top-p over the top-k
     survivors renormalised, and min-p. `top_k` 0 or -1 is off (stored as 0).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
+    (docs/structured_outputs.md): its token mask applies after the penalties and before the
+    temperature; logprobs stay the raw model's.
     """
 
     n: int = 1
@@ -79,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -129,6 +134,12 @@ class SamplingParams:
             raise ValueError(
                 f"with min_tokens, stop_token_ids holds at most {MAX_STOP_IDS - 1} ids (the "
                 f"eos ids share {MAX_STOP_IDS} slots), got {len(self.stop_token_ids)}"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams (from jaxmamba import "
+                f"StructuredOutputsParams), got {so!r} ({type(so).__name__})"
             )
         self._reject_unimplemented()
 

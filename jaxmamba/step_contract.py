@@ -5,7 +5,8 @@ it, and neither imports the other.
 
 Dimension letters: T tokens, B rows, MP KV pages per row (`max_pages_per_seq`), KP checkpoints
 per prefill row (`MAX_PREFILL_CHECKPOINTS`), KF forks (`MAX_FORKS`), SI stop ids
-(`MAX_STOP_IDS`), LB logit bias entries (`MAX_LOGIT_BIAS`).
+(`MAX_STOP_IDS`), LB logit bias entries (`MAX_LOGIT_BIAS`), VW int32 words of a token bitmask
+(`ceil(V / 32)`, V the model's vocabulary).
 
 Layout of a step (all shapes static, padded to a bucket): the first ``num_decode`` tokens
 belong to the decode rows (one token each), the rest to the prefill/extend rows, row after
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+from jaxmamba.structured.bitmask import bitmask_words
 
 # A decode step checkpoints at most this many rows (rows whose length crosses a multiple of
 # the track interval); the scheduler enforces it. Copying only these rows — not a masked copy
@@ -60,6 +63,7 @@ class CacheSpec(NamedTuple):
     num_pages: int
     page_size: int
     ssm_dtype: str = "float32"
+    kv_dtype: str = "auto"  # the attention pages' dtype: "auto" (the model's) or "fp8"
 
     @property
     def pad_slot(self) -> int:
@@ -82,8 +86,12 @@ class InputField:
     # The `RowSpec` attribute every row sets this `[B]` field from, in the builder's one pass
     # over the rows; None: the builder fills it its own way.
     row: str | None = None
-    # Sent only when some row uses it; None in `StepInputs` otherwise.
+    # May be None in `StepInputs` (a step built by hand); the builder sends it in every step.
     optional: bool = False
+    # Sent only in the steps where some row uses it, None (absent from the packed buffer) in
+    # the others: its presence makes a program of its own, so a step without it runs, and
+    # moves, exactly what it would if the field did not exist.
+    on_demand: bool = False
 
 
 FIELDS: tuple[InputField, ...] = (
@@ -130,6 +138,10 @@ FIELDS: tuple[InputField, ...] = (
     InputField("fork_dst_slots", ("KF",), "int32", "pad_slot", optional=True),
     InputField("fork_src_pages", ("KF",), "int32", "pad_page", optional=True),
     InputField("fork_dst_pages", ("KF",), "int32", "pad_page", optional=True),
+    # Structured outputs: the tokens each row may sample, bit i of word j allowing token
+    # 32 j + i (`jaxmamba.structured.bitmask`); rows without a constraint allow all (-1).
+    # Sent only in steps with a constrained row, which run the sampler's constrained programs.
+    InputField("token_bitmask", ("B", "VW"), "int32", -1, optional=True, on_demand=True),
 )
 
 FIELD = {f.name: f for f in FIELDS}
@@ -155,13 +167,25 @@ _CONSTANT_DIMS = {
 
 def padding(num_tokens: int, num_rows: int, max_pages_per_seq: int, spec: CacheSpec) -> StepInputs:
     """A step of `num_tokens` tokens and `num_rows` rows that are all padding: every field at
-    its fill value."""
+    its fill value, but the fields sent on demand, which are absent (None;
+    `with_on_demand_fields` adds them)."""
     sizes = {"T": num_tokens, "B": num_rows, "B+1": num_rows + 1, "MP": max_pages_per_seq,
              **_CONSTANT_DIMS}  # fmt: skip
     fills = {"pad_slot": spec.pad_slot, "pad_page": spec.pad_page}
     return StepInputs(**{
         f.name: np.full(tuple(sizes[d] for d in f.dims), fills.get(f.fill, f.fill), f.dtype)
-        for f in FIELDS
+        for f in FIELDS if not f.on_demand
+    })  # fmt: skip
+
+
+def with_on_demand_fields(inputs: StepInputs, vocab_size: int) -> StepInputs:
+    """`inputs` with the fields sent on demand that it lacks, at their fill values: a step of
+    the programs that read them (the constrained samplers) where no row uses them."""
+    sizes = {"T": len(inputs.input_ids), "B": len(inputs.state_slots),
+             "VW": bitmask_words(vocab_size)}  # fmt: skip
+    return inputs._replace(**{
+        f.name: np.full(tuple(sizes[d] for d in f.dims), f.fill, f.dtype)
+        for f in FIELDS if f.on_demand and getattr(inputs, f.name) is None
     })  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from jaxmamba import sampling_params
 from jaxmamba.model import sampling
 from jaxmamba.model.sampling import MAX_LOGPROBS, filter_cutoff, sample, top_k_blocked
 from jaxmamba.sampling_params import NOT_IMPLEMENTED, SamplingParams
+from jaxmamba.structured import StructuredOutputsParams
 
 
 def kept_by_sorting(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -181,6 +182,7 @@ NON_DEFAULT = {
     "ignore_eos": (True, True), "max_tokens": (None, None), "min_tokens": (2, 2),
     "logprobs": (1, 1), "prompt_logprobs": (1, 1), "skip_special_tokens": (False, False),
     "logit_bias": ({1: 2.0}, {1: 2.0}),
+    "structured_outputs": (StructuredOutputsParams(regex="a+"),) * 2,
 }  # fmt: skip
 
 

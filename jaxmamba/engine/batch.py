@@ -1,5 +1,8 @@
 """Host side of a step: turn a list of row descriptions into padded `StepInputs` (numpy).
 
+A row with a grammar (structured outputs: `RowSpec.matcher`) has its allowed tokens written
+into the step's `token_bitmask` by its matcher; a step without such a row has no bitmask.
+
 Validation happens here, in numpy, before anything is dispatched: a malformed step raises a
 `ValueError` that names the row and the values, and the device never sees it.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,7 +26,11 @@ from jaxmamba.step_contract import (
     CacheSpec,
     StepInputs,
     padding,
+    with_on_demand_fields,
 )
+
+if TYPE_CHECKING:
+    from jaxmamba.structured.matcher import GrammarMatcher
 
 
 @dataclass
@@ -62,6 +70,8 @@ class RowSpec:
     # This row's end state goes to these samples: (slot, source page, own page) each; the
     # pages are None when the prompt ends on a page boundary (nothing to copy).
     forks: list[tuple[int, int | None, int | None]] = field(default_factory=list)
+    # Structured outputs: the row samples only what its grammar allows next (None: anything).
+    matcher: GrammarMatcher | None = None
 
     @property
     def seq_len(self) -> int:
@@ -112,6 +122,7 @@ def _is_rare(row: RowSpec) -> bool:
     return bool(
         row.forks or row.fork or row.track_slot is not None or row.tracks
         or row.min_tokens > 0 or row.logit_bias or row.prompt_logprob_targets
+        or row.matcher is not None
     )  # fmt: skip
 
 
@@ -194,9 +205,10 @@ class StepBuilder:
         """The arrays, a column at a time: the scalar fields of all rows are read in one pass
         (`_Columns`) and set by one slice each, the ragged ones (tokens, pages) by one fancy
         index each, and what few rows use (checkpoints, forks, logit bias, min_tokens, prompt
-        logprobs) only on the rows that have it. Padding rows keep the bucket's defaults."""
+        logprobs, grammars) only on the rows that have it. Padding rows keep the bucket's
+        defaults."""
         n, pad_slot = len(rows), self.spec.pad_slot
-        x = StepInputs(*(a.copy() for a in self._defaults(bucket)))
+        x = StepInputs(*(None if a is None else a.copy() for a in self._defaults(bucket)))
         offsets = np.zeros(n + 1, np.int64)
         np.cumsum(cols.lens, out=offsets[1:])
         total = int(offsets[-1])
@@ -217,8 +229,11 @@ class StepBuilder:
         x.seeds[:n] = np.fromiter((seed & 0xFFFFFFFF for seed in map(_SEED, rows)), np.uint32, n)
         _fill_ragged(x.page_table, cols.pages)
         num_forks = 0
+        constrained = []  # rows with a grammar
         for r in cols.rare:  # the fields only some rows use
             row = rows[r]
+            if row.matcher is not None:
+                constrained.append(r)
             if row.prompt_logprob_targets:
                 targets = row.prompt_logprob_targets[: cols.lens[r]]
                 x.prompt_logprob_targets[offsets[r] : offsets[r] + len(targets)] = targets
@@ -230,12 +245,25 @@ class StepBuilder:
                 num_forks += 1
             for k, (slot, length) in enumerate(row.checkpoints):
                 x.track_slots[r, k], x.track_lens[r, k] = slot, length
-            if row.min_tokens > 0:
+            # A complete grammar allows only stop ids: it wins over min_tokens.
+            if row.min_tokens > 0 and not (row.matcher is not None and row.matcher.must_stop()):
                 x.min_tokens[r] = row.min_tokens
                 x.stop_ids[r, : len(row.stop_ids)] = row.stop_ids
             if row.logit_bias:
                 x.logit_bias_ids[r, : len(row.logit_bias)] = list(row.logit_bias)
                 x.logit_bias_values[r, : len(row.logit_bias)] = list(row.logit_bias.values())
+        if constrained:
+            x = self._fill_bitmask(x, [rows[r].matcher for r in constrained], constrained)
+        return x
+
+    def _fill_bitmask(self, x: StepInputs, matchers: list[GrammarMatcher], rows: list[int]
+                      ) -> StepInputs:  # fmt: skip
+        """`x` with its token bitmask: each constrained row's written by its matcher, every
+        other row's allowing every token."""
+        from jaxmamba.structured import fill_bitmasks
+
+        x = with_on_demand_fields(x, self.vocab_size)
+        fill_bitmasks(matchers, x.token_bitmask, rows)
         return x
 
     def padding(self, bucket: Bucket) -> StepInputs:

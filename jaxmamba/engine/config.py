@@ -1,7 +1,7 @@
 """The settings `LLM(...)` and every command take: `EngineConfig` (batch limits, pool sizes,
-prefix caching, checkpoint spacing, the recurrent state's dtype) and `RunConfig` (dtype, seed,
-kernels, compilation). Each field holds its default and help text once; the CLI's flags are
-generated from them (`jaxmamba.cli_args`)."""
+prefix caching, checkpoint spacing, the recurrent state's and the KV pages' dtypes) and
+`RunConfig` (dtype, weight quantization, seed, kernels, compilation). Each field holds its
+default and help text once; the CLI's flags are generated from them (`jaxmamba.cli_args`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,29 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import ml_dtypes
+import numpy as np
+
 from jaxmamba.engine.memory import default_sizes
 
 # `mamba_ssm_cache_dtype` -> the dtype the recurrent states are stored in (the field's help
 # says why auto is float32).
 MAMBA_SSM_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+# `kv_cache_dtype` -> the attention pages' dtype (None: the model's), vLLM's names.
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+# `quantization` -> how a float checkpoint's weights are quantized at load time (vLLM's names).
+QUANTIZATION_METHODS = ("fp8", "int8")
+
+
+def kv_cache_dtype(setting: str, model_dtype):
+    """The attention pages' dtype for a `kv_cache_dtype` setting: `model_dtype` for auto."""
+    if not isinstance(setting, str) or setting not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"EngineConfig.kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {setting!r}"
+        )
+    return KV_CACHE_DTYPES[setting] or model_dtype
 
 
 def ssm_cache_dtype(setting: str) -> str:
@@ -99,6 +117,13 @@ class EngineConfig:
         "accumulates over the whole sequence",
         choices=MAMBA_SSM_CACHE_DTYPES,
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "dtype of the attention layers' KV pages: auto, the model dtype; fp8 (fp8_e4m3), "
+        "float8_e4m3fn pages with the checkpoint's per-tensor k/v scales, else 1.0 (as vLLM), "
+        "half the bytes of bf16 pages (docs/quantization.md)",
+        choices=KV_CACHE_DTYPES,
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -111,6 +136,7 @@ class EngineConfig:
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         ssm_cache_dtype(self.mamba_ssm_cache_dtype)
+        kv_cache_dtype(self.kv_cache_dtype, None)
 
     def for_chunk_size(self, chunk_size: int) -> EngineConfig:
         """This config with `track_interval` resolved for a model of `chunk_size`: a user's
@@ -125,6 +151,11 @@ class EngineConfig:
                 f"lcm(chunk_size={chunk_size}, page_size={self.page_size}) = {block}"
             )
         return self
+
+    def kv_itemsize(self, model_itemsize: int) -> int:
+        """Bytes of one value in the KV pages, the model dtype's being `model_itemsize`."""
+        name = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return model_itemsize if name is None else np.dtype(getattr(ml_dtypes, name)).itemsize
 
     @property
     def ssm_dtype(self) -> str:
@@ -163,6 +194,14 @@ class RunConfig:
         "compute dtype; auto: the checkpoint's torch_dtype (float16 runs in bfloat16), "
         "float32 for random-weight presets",
         choices=("auto", "float32", "bfloat16"),
+    )
+    quantization: str | None = setting(
+        None,
+        "quantize a float checkpoint's projection and expert weights at load time: fp8, "
+        "float8_e4m3fn weights with a scale per output channel (FP8 GEMMs); int8, weight-only "
+        "int8 (for TPUs). Default: as the checkpoint is (FP8 checkpoints load as published; "
+        "docs/quantization.md)",
+        choices=QUANTIZATION_METHODS,
     )
     seed: int = setting(
         0, "seed of a preset's random weights and of requests that bring no seed of their own"

@@ -9,6 +9,16 @@ text); `abort_request(id)` drops one. `LLM.generate` runs on it.
 read per step), so the device is never idle waiting for Python. Stop tokens and strings are
 therefore noticed one step late; the extra step's sample is dropped.
 
+Structured outputs (docs/structured_outputs.md): a constrained request's grammar compiles on
+a background thread (`compile_grammar`) while the request waits in the queue; then each of its
+samples gets a `GrammarMatcher`, whose bitmask of the tokens allowed next goes into every step
+that samples for it. That bitmask needs the token the previous step sampled, so when the step
+in flight samples for a constrained row, `step()` reads it before it builds the next one (the
+device idles meanwhile); steps without constrained rows keep the overlap. A sample finishes
+with "stop" once its grammar is complete (its matcher accepted a stop token, or allows nothing
+else: the output is whole, even with ignore_eos), "length" at max_tokens, and "error" if the
+grammar hits a dead end.
+
 A step that fails loses nothing else (`_fail_step`): the requests it carried end with
 `finish_reason="error"` and `RequestOutput.error` saying why (vLLM's `FinishReason.ERROR`), and
 the engine goes on. Scheduling, building and dispatching a step is one transaction: if any of
@@ -31,6 +41,7 @@ import numbers
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import jax
@@ -45,6 +56,7 @@ from jaxmamba.engine.request import Request
 from jaxmamba.engine.runner import ModelRunner, StepOutput, program_name, unpack_step_output
 from jaxmamba.engine.scheduler import ScheduledStep, Scheduler
 from jaxmamba.sampling_params import SamplingParams
+from jaxmamba.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +93,8 @@ class RequestGroup:
     # prompt_logprobs so far (None for the first prompt token), handed out with the first
     # output; None when not asked for
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # why a sample ended with finish_reason "error" (its grammar failed), handed out with it
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -167,6 +181,9 @@ class LLMEngine:
         self._rng = np.random.default_rng(seed)
         self._groups: dict[str, RequestGroup] = {}
         self._inflight: tuple[ScheduledStep, StepOutput] | None = None
+        self._grammars = None  # the GrammarCompiler, made for the first constrained request
+        self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
+        self._undelivered: list[RequestOutput] = []  # outputs of a step() that raised
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -194,6 +211,12 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: {e}") from e
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.compile_grammar(params.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"request {request_id!r}: {e}") from e
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
         seqs = [
             Request(request_id, list(ids), params, seed=sibling_seed(seed, i), index=i)
@@ -201,12 +224,49 @@ class LLMEngine:
         ]
         for sib in seqs[1:]:
             sib.leader = seqs[0]
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = grammar
+            self._compiling.extend(seqs)
         detokenizers = [self._detokenizer(params) for _ in seqs]
         group = RequestGroup(request_id, text, list(ids), seqs, detokenizers)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self._groups[request_id] = group
         self.scheduler.waiting.extend(seqs)
+
+    def compile_grammar(self, constraint: StructuredOutputsParams) -> Future:
+        """Start compiling a structured-output constraint for this model (once per constraint:
+        the compiled grammars are cached), on a background thread; returns the future of its
+        `CompiledGrammar`, whose `result()` raises ValueError for a grammar the engine cannot
+        enforce (an unsatisfiable schema). Raises ValueError at once for what shows without
+        compiling: a malformed schema, regex or grammar, a JSON-schema keyword the engine does
+        not enforce (`jaxmamba.structured.validate`), a model without a tokenizer, or a runner
+        without the constrained sampler programs (an exported artifact)."""
+        if not isinstance(constraint, StructuredOutputsParams):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(constraint).__name__}"
+            )
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        if not self.runner.structured_outputs:
+            raise ValueError(
+                f"structured outputs need the constrained sampler programs, which this engine's "
+                f"{type(self.runner).__name__} does not have: an exported artifact holds none "
+                f"(serve the model itself), and JAXMAMBA_STRUCTURED_OUTPUTS=0 leaves them out"
+            )
+        if self.runner.send_step is not None:
+            raise ValueError("structured outputs do not run over several processes yet")
+        from jaxmamba.structured import GrammarCompiler, validate
+
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids
+            )
+        if not self._grammars.cached(constraint):
+            validate(constraint)
+        return self._grammars.submit(constraint)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (all its samples): its slot and pages are free for the next step.
@@ -284,20 +344,80 @@ class LLMEngine:
         """Dispatch the next step, then post-process the previous one; returns the outputs
         (deltas) of the requests that moved, and of those a failed step ended (module
         docstring): the previous step's outputs are read first, so a request it finished
-        finishes normally."""
-        previous, failed = self._inflight, None
+        finishes normally. When the previous step sampled for a constrained row, it is
+        post-processed first: the next step's token bitmask needs its tokens."""
+        outputs, self._undelivered = self._undelivered, []
+        if self._compiling:
+            outputs += self._start_grammars()
+        previous, failed, read = self._inflight, None, False
+        if previous is not None and previous[0].constrained:
+            self._inflight, read = None, True
+            outputs += self._postprocess(*previous)
+            previous = None
         try:
             self._inflight = self._dispatch()
         except _DispatchFailed as err:
             if not err.carried and not err.state_lost:
+                self._undelivered = outputs  # handed out by the next step()
                 raise err.cause from None  # nothing to pin it on; the scheduler is as it was
             self._inflight, failed = None, err
-        outputs = [] if previous is None else self._postprocess(*previous)
+        if previous is not None:
+            outputs += self._postprocess(*previous)
         if failed is not None:
             outputs += self._fail_step(failed.cause, failed.carried, state_lost=failed.state_lost)
-        elif previous is None and self._inflight is None and self.scheduler.running:
-            raise RuntimeError("scheduler made no progress with requests still running")
+        elif not read and previous is None and self._inflight is None:
+            if self.scheduler.running:
+                raise RuntimeError("scheduler made no progress with requests still running")
+            if self._compiling and not outputs:  # nothing to run until a grammar compiles
+                wait([r.grammar for r in self._compiling], timeout=0.1,
+                     return_when=FIRST_COMPLETED)  # fmt: skip
         return outputs
+
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Give every sample whose grammar has compiled its matcher (it may be admitted now),
+        and end with an error those whose grammar failed to compile; returns their outputs."""
+        from jaxmamba.structured import GrammarMatcher
+
+        deltas: dict[str, list[CompletionOutput]] = {}
+        compiling, vocab = [], self.model_cfg.vocab_size
+        for req in self._compiling:
+            if req.finished:
+                continue
+            if not req.grammar.done():
+                compiling.append(req)
+                continue
+            try:
+                stop_ids = [t for t in req.params.stop_token_ids if t < vocab]
+                req.matcher = GrammarMatcher(req.grammar.result(), stop_ids)
+            except Exception as e:  # the grammar cannot be enforced: never run unconstrained
+                self._end_with_error(req, f"structured_outputs: {e}", deltas)
+        self._compiling = compiling
+        return self._outputs(deltas)
+
+    def _end_with_error(self, req: Request, message: str,
+                        deltas: dict[str, list[CompletionOutput]]) -> None:  # fmt: skip
+        """Finish one sample with finish_reason "error" (`message` goes to its request's
+        output) and free what it holds; its delta goes to `deltas`."""
+        group = self._groups[req.request_id]
+        group.error = message
+        self._end(req, "error")
+        req.finish_time = time.perf_counter()
+        self.stats.finished_requests += 1
+        detok = group.detokenizers[req.index]
+        text = None
+        if detok is not None:
+            detok.flush()
+            text = detok.take_delta(finished=True)
+        deltas.setdefault(req.request_id, []).append(
+            CompletionOutput(
+                index=req.index,
+                text=text,
+                token_ids=[],
+                cumulative_logprob=req.cumulative_logprob,
+                logprobs=None if req.params.logprobs is None else [],
+                finish_reason="error",
+            )
+        )
 
     def _dispatch(self) -> tuple[ScheduledStep, StepOutput] | None:
         """Schedule, build and dispatch the next step; None when there is nothing to run.
@@ -312,6 +432,7 @@ class LLMEngine:
                 inputs = self.builder.build(
                     scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
                 )
+                scheduled.constrained = inputs.token_bitmask is not None
                 packed = self._step(scheduled, inputs)
             self.scheduler.record_dispatched(scheduled)
             self._count(scheduled)
@@ -450,6 +571,13 @@ class LLMEngine:
                 continue
             i = i if i < num_decode else step.output_row(i)
             token, logprob = tokens[i], logprobs[i]
+            if req.matcher is not None:
+                error = req.matcher.error
+                if error is None and not req.matcher.accept_token(token):
+                    error = f"the grammar does not allow the sampled token {token}"
+                if error is not None:  # never continue unconstrained
+                    self._end_with_error(req, f"structured_outputs: {error}", deltas)
+                    continue
             req.output_token_ids.append(token)
             req.cumulative_logprob += logprob
             if req.first_token_time is None:
@@ -479,6 +607,7 @@ class LLMEngine:
                     num_cached_tokens=group.seqs[0].num_cached_tokens,
                     metrics=group.metrics(),
                     prompt_logprobs=group.prompt_logprobs,
+                    error=group.error,
                 )
             )
             group.prompt_logprobs = None  # complete with the first output, handed out once
@@ -487,10 +616,16 @@ class LLMEngine:
     def _advance(self, req: Request, token: int, top, now: float) -> CompletionOutput:
         """Detokenize the new token, check every stop condition; the sequence's delta."""
         reason, stop_reason = self._finish_reason(req, token)
+        stop_token = reason == "stop"
+        if req.matcher is not None and req.matcher.must_stop():
+            # The grammar is complete: by the stop token just accepted, or allowing no more.
+            stop_token = req.matcher.is_terminated()
+            reason = "stop"
+            stop_reason = token if stop_token and token in req.params.stop_token_ids else None
         detok = self._groups[req.request_id].detokenizers[req.index]
         text = None
         if detok is not None:
-            stop_string = detok.update([token], stopped_on_token=reason == "stop")
+            stop_string = detok.update([token], stopped_on_token=stop_token)
             if stop_string is not None:
                 reason, stop_reason = "stop", stop_string
             elif reason is not None:
@@ -564,6 +699,7 @@ class LLMEngine:
             req.finish_reason = req.finish_reason or "abort"
         self.scheduler.waiting.clear()
         self._groups.clear()
+        self._compiling.clear()
 
     def counters(self) -> dict[str, float]:
         s, st = self.scheduler, self.stats
@@ -577,6 +713,7 @@ class LLMEngine:
             "failed_steps": st.failed_steps,
             "failed_requests": st.failed_requests,
             "compilations": self.runner.num_compiles,
+            "grammar_compiles": 0 if self._grammars is None else self._grammars.num_compiles,
             "free_slots": s.slots.num_free,
             "free_pages": s.pages.num_free,
             "forked_samples": s.forked_samples,

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxmamba.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxmamba.structured.matcher import GrammarMatcher
 
 __all__ = ["Request", "SamplingParams"]
 
@@ -18,6 +23,10 @@ class Request:
     Counters run ahead of what the host has read: `num_computed` and `num_scheduled_outputs`
     count what dispatched steps will have done, so the next step can be scheduled before the
     previous one's tokens are back (overlap). `output_token_ids` holds the tokens read so far.
+
+    Structured outputs: `grammar` is the compile of `params.structured_outputs` under way or
+    done; once it is done the engine gives the request its `matcher`, which has accepted every
+    token of `output_token_ids`. Until then the request waits in the queue.
     """
 
     request_id: str
@@ -40,6 +49,8 @@ class Request:
     branch_len: int = 0  # > 0: its prefill also checkpoints here (where prompts branch)
     was_held: bool = False  # it waited for another request's branch checkpoint
     leader: Request | None = None  # sample 0 of its request (samples i > 0 fork off it)
+    grammar: Future | None = None  # its compiled grammar, to come (None: unconstrained)
+    matcher: GrammarMatcher | None = None  # its place in the grammar, once compiled
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -57,6 +68,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its grammar is still compiling: it is not admitted yet."""
+        return self.grammar is not None and self.matcher is None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -12,6 +12,16 @@ branch, `tests/test_no_host_sync.py`). Each gives the tokens, logprobs and ranks
 gives for the rows it runs. `JAXMAMBA_SAMPLER_VARIANTS=0` turns the variants off (one program
 a bucket).
 
+Structured outputs: a step with a constrained row carries the token bitmask
+(`step_contract` field `token_bitmask`, sent on demand), and runs the *constrained twin* of the
+sampler program it would run (`constrained(sampler)`: "greedy+grammar", ...), the same program
+with the mask applied before the temperature. The twins are part of `programs`, so warm-up and
+memory sizing compile them; a step without a constrained row runs, and sends, what it would
+without the feature. A runner whose programs cannot take the mask (an exported artifact holds
+none) says so (`StepRunner.structured_outputs`), and the engine refuses constrained requests.
+The twins double the programs warm-up and memory sizing compile; `JAXMAMBA_STRUCTURED_OUTPUTS=0`
+leaves them out (and constrained requests are refused).
+
 Two rare kinds of work run as programs of their own, dispatched after a step only when one
 of its rows asks (`ModelRunner.step` decides from the host inputs; one program each, whatever
 the bucket): `score_fn`, the prompt_logprobs of the prefill tokens that ask for them, from
@@ -54,12 +64,34 @@ from jaxmamba.model.step import (
     score_fn,
     step_fn,
 )
-from jaxmamba.step_contract import MAX_LOGPROBS, MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
+from jaxmamba.step_contract import (
+    MAX_LOGPROBS,
+    MAX_PROMPT_LOGPROB_TOKENS,
+    CacheSpec,
+    StepInputs,
+    with_on_demand_fields,
+)
 
 __all__ = [
     "FULL", "GREEDY", "PLAIN", "TRACE_COUNTS", "ModelRunner", "StepOutput", "StepRunner",
-    "fork_fn", "jitted_step", "logits_fn", "score_fn", "step_fn", "step_temporary_bytes",
+    "constrained", "fork_fn", "jitted_step", "logits_fn", "score_fn", "step_fn",
+    "step_temporary_bytes",
 ]  # fmt: skip
+
+# The suffix of a constrained sampler program's name: "full+grammar" is FULL with the token
+# bitmask applied.
+CONSTRAINED = "+grammar"
+
+
+def constrained(sampler: str) -> str:
+    """The constrained twin of a sampler program (the token bitmask applied)."""
+    return sampler + CONSTRAINED
+
+
+def base_sampler(sampler: str) -> str:
+    """The sampler program `sampler` is, or is the constrained twin of: FULL, PLAIN or GREEDY
+    (the step's static `sampler` argument; the mask comes with the inputs' layout)."""
+    return sampler.removesuffix(CONSTRAINED)
 
 
 class StepOutput(NamedTuple):
@@ -131,8 +163,10 @@ def choose_sampler(inputs: StepInputs, num_decode: int, top_logprobs: bool, voca
 
 
 def sampler_flags(sampler: str) -> dict:
-    """The `step` keywords that select ``sampler`` for a pure decode step of padding rows
-    (greedy, no penalties): what no row of such a step reads."""
+    """The `step` keywords that select ``sampler`` (or its constrained twin, for inputs with
+    the token bitmask) for a pure decode step of padding rows (greedy, no penalties): what no
+    row of such a step reads."""
+    sampler = base_sampler(sampler)
     return {"top_logprobs": sampler == FULL, "ranks": sampler != GREEDY}
 
 
@@ -144,6 +178,13 @@ def fallback_sampler(sampler: str, held) -> str:
         if candidate in held:
             return candidate
     return FULL
+
+
+def constrained_programs_enabled() -> bool:
+    """Whether a `ModelRunner` holds the constrained twins of its programs
+    (`JAXMAMBA_STRUCTURED_OUTPUTS=0`: never; half the programs to compile, and the engine
+    refuses constrained requests)."""
+    return os.environ.get("JAXMAMBA_STRUCTURED_OUTPUTS", "1") != "0"
 
 
 def default_compile_workers() -> int:
@@ -225,6 +266,9 @@ class StepRunner:
     slot_state: object = None
     # Whether decode steps may run the PLAIN and GREEDY sampler programs.
     sampler_variants: bool = True
+    # Whether it has the constrained twin of every sampler program (steps with a token
+    # bitmask: structured outputs).
+    structured_outputs: bool = True
     # Called with each step's host inputs and `num_decode` before it is dispatched, and
     # returns the inputs to run: the several-host leader sends them to its followers
     # (`jaxmamba.parallel.multihost`). None: nothing is sent.
@@ -281,23 +325,46 @@ class StepRunner:
 
     def samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
         """The sampler programs `step` runs for a bucket (the full one alone with the variants
-        off)."""
-        return self.held_samplers(bucket) if self.sampler_variants else (FULL,)
+        off), and their constrained twins where this runner has them."""
+        held = self.held_samplers(bucket) if self.sampler_variants else (FULL,)
+        if self.structured_outputs:
+            held = (*held, *map(constrained, held))
+        return held
 
     def programs(self, buckets) -> list[tuple]:
         """`(bucket, sampler)` of every program `step` can run for these buckets."""
-        return [(b, sampler) for sampler in (FULL, PLAIN, GREEDY) for b in buckets
+        names = (FULL, PLAIN, GREEDY)
+        return [(b, sampler) for sampler in (*names, *map(constrained, names)) for b in buckets
                 if sampler in self.samplers((b.num_tokens, b.num_rows, b.num_decode))]  # fmt: skip
+
+    def program_inputs(self, program: tuple, build_inputs) -> StepInputs:
+        """Padding inputs of a step program `(bucket, sampler)`: `build_inputs(bucket)`, with
+        the token bitmask (allowing every token) for a constrained program."""
+        bucket, sampler = program
+        inputs = build_inputs(bucket)
+        if sampler != base_sampler(sampler):
+            inputs = with_on_demand_fields(inputs, self.cfg.vocab_size)
+        return inputs
 
     def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool, *,
                         ranks: bool = True) -> str:  # fmt: skip
         """The sampler program `step` runs for these inputs: the cheapest that serves them
-        (`choose_sampler`), or the next dearer one this runner holds (`fallback_sampler`)."""
-        if not self.sampler_variants:
-            return FULL
-        sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
-                                 ranks=ranks)  # fmt: skip
-        return fallback_sampler(sampler, self.samplers(step_bucket(inputs, num_decode)))
+        (`choose_sampler`), or the next dearer one this runner holds (`fallback_sampler`);
+        its constrained twin for inputs with a token bitmask."""
+        sampler = FULL
+        if self.sampler_variants:
+            sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
+                                     ranks=ranks)  # fmt: skip
+            held = self.held_samplers(step_bucket(inputs, num_decode))
+            sampler = fallback_sampler(sampler, held)
+        if inputs.token_bitmask is None:
+            return sampler
+        if not self.structured_outputs:
+            raise ValueError(
+                f"a step with a token bitmask (structured outputs), but {type(self).__name__} "
+                f"has no constrained sampler programs"
+            )
+        return constrained(sampler)
 
     def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True,
              ranks: bool = True) -> StepOutput:  # fmt: skip
@@ -340,7 +407,7 @@ class StepRunner:
         keyed `(bucket, sampler)` and `("fork",)`, `("score",)`. `progress(done, total,
         program)` is called as each finishes."""
         programs = self.programs(buckets)
-        inputs = [build_inputs(bucket) for bucket, _ in programs]  # padding: greedy rows
+        inputs = [self.program_inputs(p, build_inputs) for p in programs]  # padding: greedy rows
         prefill = [b for b in buckets if b.num_rows > b.num_decode]
         side = [(("fork",), prefill[0]), (("score",), prefill[0])] if prefill else []
         jobs = [
@@ -367,7 +434,7 @@ class StepRunner:
         then run each once on padding only."""
         self.compile_programs(buckets, build_inputs, progress, workers)
         for bucket, sampler in self.programs(buckets):
-            x = build_inputs(bucket)
+            x = self.program_inputs((bucket, sampler), build_inputs)
             jax.block_until_ready(self.step(x, bucket.num_decode, **sampler_flags(sampler)))
         prefill = [b for b in buckets if b.num_rows > b.num_decode]
         if prefill:
@@ -453,6 +520,7 @@ class ModelRunner(StepRunner):
                                                            mesh_plan.mesh)  # fmt: skip
         # The sampler variants of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
+        self.structured_outputs = constrained_programs_enabled()
 
     @property
     def num_compiles(self) -> int:
@@ -478,6 +546,7 @@ class ModelRunner(StepRunner):
         return logits
 
     def _run_step(self, inputs: PackedStepInputs, bucket: tuple[int, int, int], sampler: str):
+        sampler = base_sampler(sampler)  # a constrained twin: the mask is in the inputs' layout
         kwargs = {} if sampler == FULL else {"sampler": sampler}
         packed, self.cache, self.slot_state = self._jit_step(
             self.params, self.cache, self.slot_state, self._put_inputs(inputs),
@@ -498,8 +567,8 @@ class ModelRunner(StepRunner):
         these inputs, packed as `step` passes them (lowering, export: the FULL sampler, as
         `step` calls it)."""
         kwargs = dict(num_decode=num_decode, **self._static)
-        if sampler != FULL:
-            kwargs["sampler"] = sampler
+        if base_sampler(sampler) != FULL:
+            kwargs["sampler"] = base_sampler(sampler)
         if isinstance(inputs, StepInputs):
             inputs = PackedStepInputs.pack(inputs)
         return (self.params, self.cache, self.slot_state, inputs), kwargs

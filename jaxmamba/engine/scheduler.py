@@ -23,6 +23,10 @@ full pages (reference-counted), and samples its first token from the same logits
 zero-token row. Until then the samples wait; those past `MAX_FORKS` (or without room) are
 admitted afterwards like any request and resume from the prefix cache.
 
+Structured outputs: a request whose grammar is still compiling waits in the queue (vLLM's
+`WAITING_FOR_FSM`); a row that samples carries its request's matcher (`RowSpec.matcher`), from
+which the step builder writes the row's token bitmask.
+
 `transaction()` wraps scheduling a step and dispatching it: every change made inside (queues,
 request counters, slots, pages, prefix-cache references and evictions) is undone if it raises.
 When the device state itself is lost (a step consumed it and failed), `drop_device_state`
@@ -76,6 +80,9 @@ class ScheduledStep:
     rows: list[ScheduledRow]  # decode rows first
     bucket: Bucket
     num_decode_rows: int
+    # Some row samples under a grammar (the step carries a token bitmask): the engine reads
+    # the step's tokens before it builds the next (the next bitmask needs them).
+    constrained: bool = False
 
     @property
     def specs(self) -> list[RowSpec]:
@@ -338,7 +345,7 @@ class Scheduler:
             sib.slot, sib.pages, sib.owned_pages = slot[0], shared + own, set(shared) | set(own)
             sib.num_computed = sib.prompt_len
             spec = self._row(sib, [], from_device=False)
-            spec.fork = True
+            spec.fork, spec.matcher = True, sib.matcher
             sib.num_scheduled_outputs = 1
             self._start(sib)
             row.spec.forks.append(
@@ -512,6 +519,7 @@ class Scheduler:
         req.init_slot = None
         if end >= req.prompt_len:
             row.samples = True
+            row.spec.matcher = req.matcher
             req.num_scheduled_outputs += 1
         return row
 
@@ -560,8 +568,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(prefill) >= max_prefill or len(self.running) >= cfg.max_num_seqs:
                 break
-            if req.slot is not None or self._sibling_held(req):
-                continue  # forked above, or waiting for sample 0
+            if req.slot is not None or self._sibling_held(req) or req.waits_for_grammar:
+                continue  # forked above, waiting for sample 0, or for its grammar
             if self._scores_prompt(req) and scored_left == 0:
                 continue  # admitted once a step has prompt tokens to score left
             if self.pending_branches and self._held(req):

@@ -59,7 +59,10 @@ def _bucket_key(entry: dict) -> tuple[int, int, int]:
 class ArtifactRunner(StepRunner):
     """A `StepRunner` on an artifact's exported steps. `params`: the flat weight leaves in
     the exported order (from the artifact's Orbax checkpoint, or given). A decode bucket
-    exported with its sampler variants runs them when `ModelRunner` would."""
+    exported with its sampler variants runs them when `ModelRunner` would. Artifacts hold no
+    constrained sampler programs: the engine refuses structured-output requests on one."""
+
+    structured_outputs = False
 
     def __init__(self, artifact: Artifact, params=None, *, platform: str | None = None,
                  weights: str | os.PathLike | None = None):  # fmt: skip

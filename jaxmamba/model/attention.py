@@ -1,6 +1,11 @@
 """GQA self-attention over the paged KV cache, with RoPE when the config sets `rope_theta`
 (Nemotron-H: none; Bamba: on half of each head; Granite/Falcon-H1: on all of it; Qwen3-Next
-and Qwen3.5: on a quarter), and Qwen3-Next's per-head q/k RMSNorm and sigmoid output gate."""
+and Qwen3.5: on a quarter), and Qwen3-Next's per-head q/k RMSNorm and sigmoid output gate.
+
+FP8 pages (`kv_cache_dtype="fp8"`: the cache's pages are float8_e4m3fn) hold K/s_k and V/s_v,
+with the per-tensor scales of the checkpoint (`k_cache_scale`, `v_cache_scale` params) or 1
+(vLLM's default). The kernels only upcast what they read: s_k multiplies the queries
+(q·(s_k k) = (s_k q)·k) and s_v the output (attention is linear in V)."""
 
 from __future__ import annotations
 
@@ -10,8 +15,10 @@ import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.attention import paged_attention, write_kv
+from jaxmamba.kernels.matmul.quantized import FP8, quantize_fp8
 from jaxmamba.model.layers import Dtype, Linear, RMSNorm
 from jaxmamba.model.metadata import ForwardMetadata
+from jaxmamba.model.quantization import K_CACHE_SCALE, V_CACHE_SCALE
 from jaxmamba.parallel.collectives import ShardLayout
 
 
@@ -69,6 +76,13 @@ class Attention(nn.Module):
             rope_dim = cfg.rope_dim or dh
             q = apply_rope(q, meta.positions, cfg.rope_theta, rope_dim)
             k = apply_rope(k, meta.positions, cfg.rope_theta, rope_dim)
+        fp8 = k_pages.dtype == FP8
+        if fp8:
+            k_scale, v_scale = self._cache_scale(K_CACHE_SCALE), self._cache_scale(V_CACHE_SCALE)
+            k = quantize_fp8(k, 1.0 if k_scale is None else k_scale)
+            v = quantize_fp8(v, 1.0 if v_scale is None else v_scale)
+            if k_scale is not None:
+                q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
         k_pages, v_pages = write_kv(
             k_pages,
             v_pages,
@@ -87,6 +101,8 @@ class Attention(nn.Module):
             blocks=meta.attention_blocks,
             impl=self.impl,
         )
+        if fp8 and v_scale is not None:
+            o = (o.astype(jnp.float32) * v_scale).astype(o.dtype)
         if gated:
             o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
         reduce = None if self.tp is None else self.tp.axis
@@ -94,3 +110,7 @@ class Attention(nn.Module):
             o.reshape(num_tokens, hq * dh)
         )
         return out, k_pages, v_pages
+
+    def _cache_scale(self, name: str) -> jax.Array | None:
+        """The checkpoint's per-tensor KV-cache scale `name` (None: 1)."""
+        return self.get_variable("params", name) if self.has_variable("params", name) else None

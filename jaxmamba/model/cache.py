@@ -5,6 +5,9 @@ Every pool has one extra entry at the end — the **pad sink**. Padding rows, ro
 nothing this step and padding tokens write there, so no write ever branches on device data.
 Pools are kept per layer (tuples) so a kernel can update one layer's pool in place through
 buffer donation without slicing a stacked array.
+
+The pages have the model dtype, or float8_e4m3fn for `kv_cache_dtype="fp8"` (the spec's
+`kv_dtype`; `attention.py` says how the scales apply).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
+from jaxmamba.engine.config import kv_cache_dtype
 from jaxmamba.step_contract import CacheSpec
 
 
@@ -27,6 +31,13 @@ class StateCache(NamedTuple):
     ssm: tuple[jax.Array, ...]
     k_pages: tuple[jax.Array, ...]  # per attention layer: [NP+1, page_size, Hkv, Dh]
     v_pages: tuple[jax.Array, ...]  # per attention layer: [NP+1, page_size, Hkv, Dh]
+
+
+def kv_dtype(spec: CacheSpec, dtype) -> jnp.dtype:
+    """The pages' dtype: `dtype` (the model's), or the spec's `kv_dtype` setting's
+    (`EngineConfig.kv_cache_dtype`)."""
+    # `CacheSpec.kv_dtype` (step_contract.py) carries the setting; "auto" where it has none.
+    return jnp.dtype(kv_cache_dtype(getattr(spec, "kv_dtype", "auto"), dtype))
 
 
 # Logical axis names of each cache array, for sharding (heads split across devices). A Gated
@@ -45,7 +56,8 @@ def cache_shapes(cfg: ModelConfig, spec: CacheSpec, dtype) -> StateCache:
     slots = spec.num_slots + 1
     shapes = [cfg.recurrent_state_shapes(layer) for layer in cfg.recurrent_layers]
     kv = jax.ShapeDtypeStruct(
-        (spec.num_pages + 1, spec.page_size, cfg.num_key_value_heads, cfg.head_dim), dtype
+        (spec.num_pages + 1, spec.page_size, cfg.num_key_value_heads, cfg.head_dim),
+        kv_dtype(spec, dtype),
     )
     return StateCache(
         conv=tuple(jax.ShapeDtypeStruct((slots, *conv), dtype) for conv, _ in shapes),

@@ -15,10 +15,23 @@ from jax import lax
 
 from jaxmamba.kernels.common import matmul_precision
 from jaxmamba.kernels.gated_norm import gated_group_rmsnorm
-from jaxmamba.kernels.matmul import MAX_ROWS, small_m_matmul
+from jaxmamba.kernels.matmul import MAX_ROWS, QuantizedWeight, scaled_matmul, small_m_matmul
+from jaxmamba.model.quantization import quantized_names
 from jaxmamba.parallel.collectives import ShardLayout, group_mean_square
 
 Dtype = Any
+
+
+def quantized_param(module: nn.Module, name: str) -> QuantizedWeight | None:
+    """The quantized form of `module`'s param `name` (`jaxmamba.model.quantization`), where its
+    params hold one (a quantized checkpoint, or `quantization=`); else None. Random init
+    always makes the float param."""
+    weight, scale, input_scale = quantized_names(name)
+    if not module.has_variable("params", weight):
+        return None
+    get = lambda n: module.get_variable("params", n)  # noqa: E731
+    static = get(input_scale) if module.has_variable("params", input_scale) else None
+    return QuantizedWeight(get(weight), get(scale), static)
 
 
 class Linear(nn.Module):
@@ -30,6 +43,9 @@ class Linear(nn.Module):
     `reduce_axis` (tensor parallelism, inside `shard_map`): the input features are split
     over that mesh axis (a row-parallel projection), so the float32 partial products are
     summed over it (one all-reduce) before the bias.
+
+    Params holding a quantized weight (`weight [out, in]` FP8 or int8 and its scales) in place
+    of `kernel` run `scaled_matmul` (XLA's dot, at every size).
     """
 
     features: int
@@ -41,18 +57,38 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
-            (x.shape[-1], self.features),
-            self.dtype,
-        )
         x = x.astype(self.dtype)
         rows = x.size // x.shape[-1]
         # Accumulated in float32 either way; the product is rounded to the model dtype by the
         # matmul itself unless a bias or an all-reduce follows: a float32 product converted
         # afterwards costs a write and a read of it through HBM.
         out_dtype = jnp.float32 if self.use_bias or self.reduce_axis else self.dtype
+        quantized = quantized_param(self, "kernel")
+        if quantized is not None:
+            y = scaled_matmul(
+                x.reshape(rows, x.shape[-1]), quantized, dtype=self.dtype, out_dtype=out_dtype
+            ).reshape(*x.shape[:-1], self.features)
+        else:
+            y = self._float_matmul(x, rows, out_dtype)
+        if self.reduce_axis is not None:
+            y = lax.psum(y.astype(jnp.float32), self.reduce_axis)
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
+                (self.features,),
+                self.dtype,
+            )
+            y = y + bias.astype(jnp.float32)
+        return y.astype(self.dtype)
+
+    def _float_matmul(self, x: jax.Array, rows: int, out_dtype) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes),
+            (x.shape[-1], self.features),
+            self.dtype,
+        )
         if self.small_m_impl is not None and 0 < rows <= MAX_ROWS:
             # Loaded params already have the model dtype (the cast is a no-op); params kept in
             # another dtype (float32 test params in a bf16 model) are rounded to it here.
@@ -65,17 +101,7 @@ class Linear(nn.Module):
         else:
             precision = matmul_precision(self.dtype)
             y = jnp.dot(x, kernel, preferred_element_type=out_dtype, precision=precision)
-        if self.reduce_axis is not None:
-            y = lax.psum(y.astype(jnp.float32), self.reduce_axis)
-        if self.use_bias:
-            bias = self.param(
-                "bias",
-                nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
-                (self.features,),
-                self.dtype,
-            )
-            y = y + bias.astype(jnp.float32)
-        return y.astype(self.dtype)
+        return y
 
 
 class RMSNorm(nn.Module):

@@ -4,6 +4,11 @@ Which HF tensor becomes which array of our tree is the model family's parameter 
 (`jaxmamba.model.families`, the tree's layout in `families/common.py`). A_log, D, dt_bias and
 norm scales load as float32, everything else in the requested dtype.
 
+A quantized checkpoint (FP8, `jaxmamba.model.quantization` names the schemes) keeps its
+quantized weights as published, with their scales, where the model can run them quantized
+(the entries the family marks `quantizable`); a quantized tensor anywhere else (a router, the
+lm_head) or fused with unquantized ones is dequantized to the requested dtype.
+
 Safetensors files are read through our own small header parser and `np.memmap`, because the
 `safetensors` numpy backend cannot represent bfloat16 (ml_dtypes can), and memory-mapping keeps
 host memory flat for large checkpoints.
@@ -18,7 +23,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +31,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxmamba.config import ModelConfig
+from jaxmamba.model import quantization as quant
 from jaxmamba.model.families import config_from_hf, get_family, hf_config_from
-from jaxmamba.model.families.common import Entry, is_base
+from jaxmamba.model.families.common import Entry, is_base, layout, swap_last
 
 Params = dict[str, Any]
 
@@ -40,6 +46,7 @@ SAFETENSORS_SINGLE = "model.safetensors"
 IGNORABLE_TENSORS = (
     re.compile(r"^mtp\."),  # multi-token-prediction heads (NemotronH, Qwen3-Next, Qwen3.5)
     re.compile(r"(^|\.)rotary_emb\.inv_freq$"),  # non-persistent RoPE buffers of old exports
+    re.compile(r"\.(q_scale|prob_scale)$"),  # FP8 attention scales we do not use (vLLM neither)
 )
 # Modules of a multimodal checkpoint beside the text model we serve: skipped, with one log line
 # per module giving the count (Qwen3.5's vision tower; transformers' Qwen3_5ForCausalLM skips
@@ -245,12 +252,19 @@ def _resolve(names: set[str], prefix: str, e: Entry) -> list[str | None]:
 def _read(ckpt, names: set[str], prefix: str, e: Entry, path: Path) -> tuple[np.ndarray, list]:
     """Entry `e`'s array in our layout (from its own HF tensors, or else from those of the
     first of its alternatives that the checkpoint holds), and the names read."""
-    for layout in (e, *e.alternatives):
-        found = _resolve(names, prefix, layout)
+    hf, found = _locate(ckpt, names, prefix, e, path)
+    return hf.to_ours(hf.join([ckpt.get(n) for n in found])), found
+
+
+def _locate(ckpt, names: set[str], prefix: str, e: Entry, path: Path) -> tuple[Entry, list[str]]:
+    """The HF layout of entry `e` that the checkpoint holds (`e` or one of its alternatives)
+    and the names of its tensors, their shapes checked."""
+    for hf in (e, *e.alternatives):
+        found = _resolve(names, prefix, hf)
         if None not in found:
             break
     else:
-        layout, found = e, _resolve(names, prefix, e)
+        hf, found = e, _resolve(names, prefix, e)
         name, shape = e.hf_parts()[found.index(None)]
         full = prefix + name if is_base(e) else name
         others = "".join(
@@ -260,16 +274,127 @@ def _read(ckpt, names: set[str], prefix: str, e: Entry, path: Path) -> tuple[np.
             f"checkpoint {path} is missing tensor {full!r} (for {_path_str(e.path)}, "
             f"expected HF shape {list(shape)}){others}"
         )
-    arrays = []
-    for full, (_, want) in zip(found, layout.hf_parts(), strict=True):
+    for full, (_, want) in zip(found, hf.hf_parts(), strict=True):
         shape = ckpt.shape(full)
         if shape != want:
             raise ValueError(
                 f"checkpoint tensor {full!r} has shape {list(shape)}, expected {list(want)} "
                 f"for {_path_str(e.path)} (our shape {list(e.shape)})"
             )
-        arrays.append(ckpt.get(full))
-    return layout.to_ours(layout.join(arrays)), found
+    return hf, found
+
+
+def _module(name: str) -> str:
+    return name.removesuffix(".weight")
+
+
+def _scale_names(name: str, scheme: quant.CheckpointQuantization) -> tuple[str, str]:
+    """The scale and input-scale tensor names of quantized tensor `name`."""
+    if name.endswith(".weight"):
+        base = _module(name)
+        return f"{base}.{scheme.scale_suffix}", f"{base}.input_scale"
+    return f"{name}_{scheme.scale_suffix.removeprefix('weight_')}", f"{name}_input_scale"
+
+
+def _quantized_parts(ckpt, found: list[str], scheme, path: Path) -> list[bool]:
+    """Which of an entry's tensors the checkpoint stores quantized (FP8), their scales
+    checked present."""
+    out = []
+    for name in found:
+        dtype = ckpt.where[name].entries[name][0]
+        if dtype == np.dtype(ml_dtypes.float8_e5m2):
+            raise ValueError(
+                f"checkpoint tensor {name!r} is float8_e5m2: only float8_e4m3fn weights are "
+                "supported"
+            )
+        fp8 = dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+        if fp8 and scheme is None:
+            raise ValueError(
+                f"checkpoint {path} stores {name!r} in float8_e4m3fn, but its config.json has "
+                f"no quantization_config (nor a {quant.HF_QUANT_CONFIG}) saying how to read it"
+            )
+        if fp8:
+            scale, input_scale = _scale_names(name, scheme)
+            if scale not in ckpt.where:
+                raise ValueError(
+                    f"checkpoint {path} stores {name!r} in float8_e4m3fn without its scale "
+                    f"{scale!r} ({scheme.source})"
+                )
+            if scheme.static_activations and input_scale not in ckpt.where:
+                raise ValueError(
+                    f"checkpoint {path} lacks {input_scale!r}: {scheme.source} says the "
+                    "activations have static scales"
+                )
+            if scheme.excludes(_module(name)):
+                raise ValueError(
+                    f"checkpoint {path} stores {name!r} in float8_e4m3fn, but {scheme.source} "
+                    "lists it among the modules left unquantized"
+                )
+        out.append(fp8)
+    return out
+
+
+def _load_entry(
+    ckpt, hf: Entry, found: list[str], scheme, dtype, used: set[str], path: Path
+) -> dict:
+    """Entry `hf`'s leaves (our leaf name -> array): its array in our layout, or, quantized,
+    the weight as published with its scales."""
+    leaf, out_dtype = hf.path[-1], jnp.float32 if hf.fp32 else dtype
+    quantized = _quantized_parts(ckpt, found, scheme, path)
+    if not any(quantized):
+        x = hf.to_ours(hf.join([ckpt.get(n) for n in found]))
+        return {leaf: jnp.asarray(x, dtype=out_dtype)}
+    rows = []  # each tensor's scales, one row per output channel
+    for name, fp8 in zip(found, quantized, strict=True):
+        shape = ckpt.shape(name)
+        if fp8:
+            scale = _scale_names(name, scheme)[0]
+            rows.append(quant.row_scales(ckpt.get(scale), shape, scheme.block_scaled, scale))
+            used.add(scale)
+        else:
+            rows.append(np.ones((*shape[:-1], 1), np.float32))
+    if not (hf.quantizable and all(quantized)):
+        # Run unquantized (a router, the lm_head, a projection fused from quantized and
+        # unquantized tensors): dequantized here, once.
+        arrays = [quant.dequantize_np(ckpt.get(n), r)
+                  for n, r in zip(found, rows, strict=True)]  # fmt: skip
+        used.update(_scale_names(n, scheme)[1] for n in found)  # input scales, unused
+        x = hf.to_ours(hf.join(arrays))
+        return {leaf: jnp.asarray(x, dtype=out_dtype)}
+    # Values move with the layout alone; a multiplier the map folds in goes to the scales.
+    weight = swap_last(layout(hf.to_ours)(hf.join([ckpt.get(n) for n in found])))
+    scale = quant.compress_rows(swap_last(np.asarray(hf.to_ours(hf.join(rows)), np.float32)))
+    names = quant.quantized_names(leaf)
+    out = {names[0]: jnp.asarray(weight), names[1]: jnp.asarray(scale)}
+    inputs = [_scale_names(n, scheme)[1] for n in found]
+    used.update(inputs)  # a dynamic scheme's checkpoint may hold them too: known, unused
+    if scheme.static_activations:
+        # One activation feeds every tensor of the entry (and every expert): vLLM's choice,
+        # the largest of their scales.
+        out[names[2]] = jnp.asarray(max(float(np.max(ckpt.get(n))) for n in inputs), jnp.float32)
+    return out
+
+
+def _kv_cache_scales(ckpt, names: set[str], prefix: str, plan: list[Entry]) -> list:
+    """`(HF name, our leaf path, f32[])` of each of the checkpoint's KV-cache scales: ModelOpt
+    writes `k_proj.k_scale`, others `self_attn.k_scale`, old exports one `self_attn.kv_scale`
+    for both (vLLM's spellings)."""
+    out = []
+    for e in plan:
+        proj = e.path[-2] if len(e.path) >= 2 else ""
+        if proj not in ("k_proj", "v_proj") or not isinstance(e.hf_name, str):
+            continue
+        which = proj[0]
+        module = e.hf_name.removesuffix(f".{proj}.weight")
+        base = prefix if is_base(e) else ""
+        spellings = (f"{proj}.{which}_scale", f"{which}_scale", "kv_scale")
+        for name in (f"{base}{module}.{s}" for s in spellings):
+            if name in names:
+                leaf = quant.K_CACHE_SCALE if which == "k" else quant.V_CACHE_SCALE
+                value = jnp.asarray(float(np.max(ckpt.get(name))), jnp.float32)
+                out.append((name, (*e.path[:-2], leaf), value))
+                break
+    return out
 
 
 def _check_config(path: Path, cfg: ModelConfig) -> None:
@@ -295,7 +420,9 @@ def load_hf_checkpoint(
     """Load an HF safetensors checkpoint directory into our param tree.
 
     `cfg` defaults to the checkpoint's config.json; when given, its architecture fields must
-    match it. `expected` (a tree of ShapeDtypeStructs) is checked against the result.
+    match it. `expected` (a tree of ShapeDtypeStructs) is checked against the result. An FP8
+    checkpoint's quantized weights keep their bytes and scales (`jaxmamba.model.quantization`);
+    `dtype` is that of everything else.
     Raises ValueError naming the tensor, our path and both shapes on any mismatch.
     """
     path = Path(path)
@@ -306,6 +433,7 @@ def load_hf_checkpoint(
     else:
         _check_config(path, cfg)
     ckpt = _Checkpoint(path)
+    scheme = quant.read_quantization(path)
     names = set(ckpt.where)
     prefix = _find_prefix(names, path, cfg)
     dtype = jnp.dtype(dtype)
@@ -314,9 +442,13 @@ def load_hf_checkpoint(
     used: set[str] = set()
     plan = _plan(cfg)
     for e in plan:
-        x, read = _read(ckpt, names, prefix, e, path)
-        _set(params, e.path, jnp.asarray(x, dtype=jnp.float32 if e.fp32 else dtype))
+        hf, read = _locate(ckpt, names, prefix, e, path)
+        for leaf, x in _load_entry(ckpt, hf, read, scheme, dtype, used, path).items():
+            _set(params, (*e.path[:-1], leaf), x)
         used.update(read)
+    for name, where, x in _kv_cache_scales(ckpt, names, prefix, plan):
+        _set(params, where, x)
+        used.add(name)
 
     extra = names - used
     if cfg.tie_word_embeddings and "lm_head.weight" in extra:
@@ -345,19 +477,50 @@ def load_hf_checkpoint(
 
 
 def check_params(params: Params, expected: Params) -> None:
-    """Raise ValueError unless `params` has the structure, shapes and dtypes of `expected`."""
-    got = dict(_flatten(params))
+    """Raise ValueError unless `params` has the structure, shapes and dtypes of `expected`
+    (float params, `param_shapes`): a quantized weight stands for its float leaf, its shape
+    that leaf's with the last two axes swapped; KV-cache scales may come in addition."""
+    got = _float_view(dict(_flatten(params)))
     want = dict(_flatten(expected))
     if set(got) != set(want):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         raise ValueError(f"param tree mismatch: missing {missing}, unexpected {extra}")
     for k, w in want.items():
         g = got[k]
-        if tuple(g.shape) != tuple(w.shape) or jnp.dtype(g.dtype) != jnp.dtype(w.dtype):
+        if tuple(g.shape) != tuple(w.shape) or (
+            g.dtype is not None and jnp.dtype(g.dtype) != jnp.dtype(w.dtype)
+        ):
             raise ValueError(
                 f"param {k}: got {jnp.dtype(g.dtype)}{list(g.shape)}, "
                 f"expected {jnp.dtype(w.dtype)}{list(w.shape)}"
             )
+
+
+class _Spec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: Any = None  # not compared
+
+
+def _float_view(flat: dict[str, Any]) -> dict[str, Any]:
+    """`flat` with each quantized weight's leaves replaced by the float leaf they stand for
+    (its shape swapped back, its dtype not compared), and without KV-cache scales."""
+    quantized = {}  # the key of each quantized leaf -> the float leaf's key, or None to drop
+    for key in flat:
+        parent, _, leaf = key.rpartition("/")
+        name = quant.float_name(leaf)
+        join = lambda n, parent=parent: f"{parent}/{n}" if parent else n  # noqa: E731
+        weight, scale, input_scale = quant.quantized_names(name) if name else ("", "", "")
+        if name is not None and join(scale) in flat:
+            quantized.update({key: join(name), join(scale): None, join(input_scale): None})
+        elif leaf in (quant.K_CACHE_SCALE, quant.V_CACHE_SCALE):
+            quantized[key] = None
+    out = {}
+    for key, x in flat.items():
+        if key not in quantized:
+            out[key] = x
+        elif quantized[key] is not None:
+            out[quantized[key]] = _Spec((*x.shape[:-2], x.shape[-1], x.shape[-2]))
+    return out
 
 
 def _flatten(tree: Any, prefix: str = ""):

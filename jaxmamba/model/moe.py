@@ -16,6 +16,10 @@ step's (static) token count:
 A new routing changes values, never shapes, so nothing recompiles and nothing waits for the
 host. Measurements behind the choice: `scripts/bench_moe.py` (docs/benchmarks.md).
 
+Quantized experts (FP8 or int8, `kernels.matmul.quantized`) take "gathered" at decode sizes
+and "blocked" with the reference's loop over blocks otherwise, on every platform: neither the
+grouped-matmul kernel nor `ragged_dot` takes quantized weights.
+
 Letters: T tokens, E hidden, X experts, k experts per token, F expert width.
 """
 
@@ -35,7 +39,8 @@ from jaxmamba.kernels.grouped_matmul import (
     grouped_matmul,
     has_kernel,
 )
-from jaxmamba.model.layers import MLP, Dtype, Linear, activate, matmul_precision
+from jaxmamba.kernels.matmul import QuantizedWeight, scaled_matmul
+from jaxmamba.model.layers import MLP, Dtype, Linear, activate, matmul_precision, quantized_param
 from jaxmamba.parallel.collectives import ShardLayout, reduce
 
 
@@ -93,8 +98,8 @@ def grouped_experts(
     x: jax.Array,  # [T, E]
     weights: jax.Array,  # f32[T, k]
     idx: jax.Array,  # i32[T, k]
-    w_up: jax.Array,  # [X, E, F] ([X, E, 2F] for a gated activation: gate | up)
-    w_down: jax.Array,  # [X, F, E]
+    w_up: jax.Array | QuantizedWeight,  # [X, E, F] ([X, E, 2F] gated: gate | up)
+    w_down: jax.Array | QuantizedWeight,  # [X, F, E]; quantized: the last two axes swapped
     activation: str,
     dtype: Dtype,
     impl: str = "auto",
@@ -106,12 +111,18 @@ def grouped_experts(
     kernel (CUDA), "blocked" at every size on the kernel; otherwise "gathered" for at most as
     many assignments as experts, else "ragged" on TPU (XLA lowers `ragged_dot` to a grouped
     matmul there) and "blocked" on the reference elsewhere (on CUDA, XLA's `ragged_dot` costs
-    every expert densely: `scripts/bench_moe.py`)."""
+    every expert densely: `scripts/bench_moe.py`). Quantized weights: "gathered", else
+    "blocked" on the reference."""
     T, k = idx.shape
+    if isinstance(w_up, QuantizedWeight) or isinstance(w_down, QuantizedWeight):
+        if method == "ragged":
+            raise ValueError("grouped_experts method='ragged' takes float weights only")
+        impl = "ref"
+        method = method or ("gathered" if T * k <= _num_experts(w_up) else "blocked")
     if method is None:
         if has_kernel(impl):
             method = "blocked"
-        elif T * k <= w_up.shape[0]:
+        elif T * k <= _num_experts(w_up):
             method = "gathered"
         else:
             platform = impl.partition("_")[2] or current_platform()  # "auto_tpu": TPU
@@ -146,6 +157,34 @@ def ragged_experts(x, weights, idx, w_up, w_down, activation: str, dtype) -> jax
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
 
 
+def _num_experts(w: jax.Array | QuantizedWeight) -> int:
+    return (w.weight if isinstance(w, QuantizedWeight) else w).shape[0]
+
+
+def _grouped(x, w, block_expert, *, dtype, out_dtype=None, impl: str):
+    """`grouped_matmul`, for quantized weights as the reference's loop over blocks."""
+    if not isinstance(w, QuantizedWeight):
+        return grouped_matmul(x, w.astype(dtype), block_expert, out_dtype=out_dtype, impl=impl)
+    nb = block_expert.shape[0]
+    out_dtype = out_dtype or dtype
+
+    def one_block(args):
+        xb, e = args
+        y = scaled_matmul(xb, w.take(jnp.maximum(e, 0)), dtype=dtype, out_dtype=jnp.float32)
+        return jnp.where(e >= 0, y, 0.0).astype(out_dtype)
+
+    y = lax.map(one_block, (x.reshape(nb, -1, x.shape[-1]), block_expert))
+    return y.reshape(x.shape[0], -1)
+
+
+def _per_row(xs, w, flat, dtype) -> jax.Array:
+    """f32 `xs[a] @ w[flat[a]]` for each row a: only the routed experts are read."""
+    if isinstance(w, QuantizedWeight):
+        return scaled_matmul(xs, w.take(flat), dtype=dtype, out_dtype=jnp.float32)
+    return jnp.einsum("ae,aef->af", xs, w.astype(dtype)[flat], precision=matmul_precision(dtype),
+                      preferred_element_type=jnp.float32)  # fmt: skip
+
+
 # Rows per block of `blocked_experts` on the reference (a loop over blocks: fewer, larger).
 BLOCK_ROWS = 256
 
@@ -167,7 +206,7 @@ def blocked_experts(x, weights, idx, w_up, w_down, activation: str, dtype,
     ones. On the kernel, at most `X/4` assignments take a block each (`assignment_blocks`:
     the layout without a sort or scatters; a shared expert is then read once per token)."""
     T, k = idx.shape
-    X, E = w_up.shape[0], x.shape[-1]
+    X, E = _num_experts(w_up), x.shape[-1]
     kernel = has_kernel(impl)
     if block is None:
         block = kernel_block_rows(T * k, X) if kernel else BLOCK_ROWS
@@ -176,10 +215,9 @@ def blocked_experts(x, weights, idx, w_up, w_down, activation: str, dtype,
     else:
         layout = build_expert_blocks(idx, X, block)
     xp = jnp.concatenate([x.astype(dtype), jnp.zeros((1, E), dtype)])[layout.rows]
-    w_up, w_down = w_up.astype(dtype), w_down.astype(dtype)
-    h = grouped_matmul(xp, w_up, layout.block_expert, out_dtype=jnp.float32, impl=impl)
+    h = _grouped(xp, w_up, layout.block_expert, dtype=dtype, out_dtype=jnp.float32, impl=impl)
     h = activate(h, activation).astype(dtype)
-    y = grouped_matmul(h, w_down, layout.block_expert, impl=impl)  # [NB·BM, E]
+    y = _grouped(h, w_down, layout.block_expert, dtype=dtype, impl=impl)  # [NB·BM, E]
     y = y[layout.position].astype(jnp.float32).reshape(T, k, E)  # assignment order
     return jnp.sum(y * weights[..., None], axis=1)
 
@@ -188,14 +226,10 @@ def gathered_experts(x, weights, idx, w_up, w_down, activation: str, dtype) -> j
     """`grouped_experts` for few assignments: each (token, expert) pair reads its expert's
     weights (a gather), so only routed experts are read."""
     T, k = idx.shape
-    precision = matmul_precision(dtype)
     flat = idx.reshape(-1)  # [T·k]
     xs = jnp.repeat(x.astype(dtype), k, axis=0)  # [T·k, E]
-    h = jnp.einsum("ae,aef->af", xs, w_up.astype(dtype)[flat], precision=precision,
-                   preferred_element_type=jnp.float32)  # fmt: skip
-    h = activate(h, activation).astype(dtype)
-    y = jnp.einsum("af,afe->ae", h, w_down.astype(dtype)[flat], precision=precision,
-                   preferred_element_type=jnp.float32)  # fmt: skip
+    h = activate(_per_row(xs, w_up, flat, dtype), activation).astype(dtype)
+    y = _per_row(h, w_down, flat, dtype)
     y = y.astype(dtype).astype(jnp.float32) * weights.reshape(-1)[:, None]
     return y.reshape(T, k, -1).sum(axis=1)
 
@@ -242,18 +276,22 @@ class MoE(nn.Module):
             weights = weights.astype(self.dtype).astype(jnp.float32)
         width = 2 * F if cfg.mlp_activation == "silu_glu" else F
         init = nn.initializers.normal(0.02)
-        w_up = self.param(
-            "experts_up",
-            nn.with_logical_partitioning(init, ("experts", "embed", "moe_mlp")),
-            (X, E, width),
-            self.dtype,
-        )
-        w_down = self.param(
-            "experts_down",
-            nn.with_logical_partitioning(init, ("experts", "moe_mlp", "embed")),
-            (X, F, E),
-            self.dtype,
-        )
+        w_up = quantized_param(self, "experts_up")
+        if w_up is None:
+            w_up = self.param(
+                "experts_up",
+                nn.with_logical_partitioning(init, ("experts", "embed", "moe_mlp")),
+                (X, E, width),
+                self.dtype,
+            )
+        w_down = quantized_param(self, "experts_down")
+        if w_down is None:
+            w_down = self.param(
+                "experts_down",
+                nn.with_logical_partitioning(init, ("experts", "moe_mlp", "embed")),
+                (X, F, E),
+                self.dtype,
+            )
         out = grouped_experts(
             x, weights, idx, w_up, w_down, cfg.mlp_activation, self.dtype, self.impl
         )

@@ -1,8 +1,9 @@
 """Token sampling on device, in vLLM's order, with per-row parameters and seeds.
 
 Per row: logit_bias is added and, until `min_tokens` tokens are out, the row's stop ids are
-masked; then the repetition, frequency and presence penalties, temperature, top-k, top-p over
-the top-k survivors renormalised, and min-p. Greedy rows (temperature 0) take the argmax of
+masked; then the repetition, frequency and presence penalties, the structured-outputs token
+bitmask (tokens it disallows to -inf), temperature, top-k, top-p over the top-k survivors
+renormalised, and min-p. Greedy rows (temperature 0) take the argmax of
 the processed logits. Every parameter is a per-row array, so a new mix of parameters never
 recompiles.
 
@@ -195,6 +196,18 @@ def process_logits(
     return logits.at[rows, stop_ids].set(-jnp.inf, mode="drop")
 
 
+def apply_token_bitmask(
+    logits: jax.Array,  # f32[B, V]
+    bitmask: jax.Array,  # i32[B, VW] bit i of word j allows token 32 j + i
+) -> jax.Array:
+    """f32[B, V]: `logits` with every token the bitmask disallows at -inf (on the host:
+    `jaxmamba.structured.apply_bitmask_ref`)."""
+    rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[B, VW, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample(
     logits: jax.Array,  # f32[B, V]
     temperature: jax.Array,  # f32[B] 0 → greedy
@@ -208,6 +221,7 @@ def sample(
     bias_ids: jax.Array | None = None,  # i32[B, MAX_LOGIT_BIAS]
     bias_values: jax.Array | None = None,  # f32[B, MAX_LOGIT_BIAS]
     penalties: Penalties | None = None,
+    token_bitmask: jax.Array | None = None,  # i32[B, VW] structured outputs; None: no row
     *,
     cutoff: bool = True,
     top_logprobs: bool = True,
@@ -217,7 +231,8 @@ def sample(
     """Sample one token per row: greedy, or a Gumbel-max draw from the processed,
     temperature-scaled distribution cut by top-k/top-p/min-p (``filter_cutoff``).
 
-    Logprobs, ranks and the top logprobs are those of the raw model (vLLM's default).
+    Logprobs, ranks and the top logprobs are those of the raw model (vLLM's default), also
+    for rows that `token_bitmask` constrains (it masks after the penalties, as vLLM does).
 
     Static switches (each value is its own program): ``cutoff=False`` leaves out the sort and
     the cut-off, exact only when no drawing row filters (`needs_cutoff` is False: every kept
@@ -234,6 +249,8 @@ def sample(
         processed = process_logits(raw, counters, min_tokens, stop_ids, bias_ids, bias_values)
     if penalties is not None:
         processed = apply_penalties(processed, penalties)
+    if token_bitmask is not None:
+        processed = apply_token_bitmask(processed, token_bitmask)
     tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if draw:
         tokens = jnp.where(temperature > 0, _draw(processed, temperature, top_p, top_k, min_p,

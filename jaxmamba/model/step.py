@@ -101,7 +101,9 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
 
     The packed output has a row per step row. A bucket with prefill rows also keeps the
     hidden states of the prefill tokens that ask for prompt_logprobs (`SlotState.
-    prompt_hidden`, for `score_fn`); forks' state copies are `fork_fn`'s."""
+    prompt_hidden`, for `score_fn`); forks' state copies are `fork_fn`'s. Inputs with a
+    `token_bitmask` (structured outputs) are a program of their own, whatever the sampler:
+    the sampler masks with it (`sample`)."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
     if isinstance(inputs, PackedStepInputs):
         inputs = inputs.unpack()
@@ -135,7 +137,7 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     out = sample(
         logits, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
         inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
-        inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
+        inputs.logit_bias_ids, inputs.logit_bias_values, penalties, inputs.token_bitmask,
         cutoff=sampler == FULL, top_logprobs=sampler == FULL, draw=sampler != GREEDY,
         ranks=sampler != GREEDY,
     )  # fmt: skip

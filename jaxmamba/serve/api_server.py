@@ -2,6 +2,9 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
 `"stream": true`), `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`.
+Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) become the
+request's `StructuredOutputsParams` (`constraints`); chat's `tools` are rendered by the chat
+template and its tool calls read from the output (`tool_parsers`), docs/structured_outputs.md.
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a 4xx status for
 the client's mistakes, and 500 (`"type": "InternalServerError"`, `"code": 500`, as vLLM sends
 it) for the engine's: a request whose step failed gets that, or on a stream an error event
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -33,13 +37,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxmamba.engine.outputs import Logprob, RequestOutput
 from jaxmamba.sampling_params import SamplingParams
+from jaxmamba.serve.constraints import output_constraint, resolve_tool_choice
 from jaxmamba.serve.engine_loop import Accepted, EngineLoop, EngineRequest, Failed
 from jaxmamba.serve.metrics import ServerMetrics
 from jaxmamba.serve.protocol import (
     MAX_N,
+    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    NamedToolChoice,
+)
+from jaxmamba.serve.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    NamedToolCall,
+    RequiredToolCalls,
+    ToolCallDelta,
+    ToolCallParser,
+    detect_tool_call_parser,
+    parse_tool_calls,
+    tool_call_tags,
 )
 
 logger = logging.getLogger(__name__)
@@ -66,15 +83,10 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     chat_template: str | None = None
     retry_after_s: int = 1
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None):  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
+    # tool_choice "auto" parses tool calls out of the output, with `tool_call_parser`'s
+    # format (None: the one the chat template teaches); vLLM's --enable-auto-tool-choice.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 def internal_error(message: str) -> ApiError:
@@ -309,7 +321,33 @@ class OpenAIServer:
         self.seats_taken = 0  # touched on the event loop only
         self.generations: set[_Generation] = set()  # the open requests; event loop only
         self.created = int(time.time())
+        self.tool_call_parser = self._tool_call_parser()
         self.app = self._build_app()
+
+    def _tool_call_parser(self) -> str | None:
+        """The tool-call format for tool_choice "auto": the configured one, else the one the
+        chat template teaches (None: tool_choice "auto" is a 400)."""
+        from jaxmamba.chat import template_text
+
+        name = self.config.tool_call_parser
+        if name is not None and name not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got "
+                             f"{name!r}")  # fmt: skip
+        if name is None and self.tokenizer is not None:
+            template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+            name = detect_tool_call_parser(template_text(template, tools=True))
+        if self.config.enable_auto_tool_choice and name is None:
+            raise ValueError(
+                "enable_auto_tool_choice: this model's chat template teaches no tool-call format "
+                f"this server knows ({', '.join(TOOL_CALL_PARSERS)}); name one with "
+                "tool_call_parser (--tool-call-parser)"
+            )
+        # Where the tags are special tokens, the text keeps them only with specials shown.
+        self.tool_tags_are_special = name is not None and self.tokenizer is not None and any(
+            tag not in self.tokenizer.decode(self.tokenizer.encode(tag, add_special_tokens=False))
+            for tag in tool_call_tags(name)
+        )  # fmt: skip
+        return name
 
     # -- back-pressure ------------------------------------------------------------------------
     def take_seats(self, n: int) -> None:
@@ -365,16 +403,30 @@ class OpenAIServer:
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "stream_options can only be set with stream: true",
                            param="stream_options")  # fmt: skip
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(400, f"response_format {req.response_format.type!r} is not supported "
-                           "(no structured output here): only 'text'",
-                           param="response_format")  # fmt: skip
         if req.stream and req.prompt_logprobs:
             raise ApiError(400, "prompt_logprobs are not available with stream: true",
                            param="prompt_logprobs")  # fmt: skip
 
+    async def output_constraint(self, req, tool_choice="none"):
+        """The request's `StructuredOutputsParams` (None if its output is free), compiled by
+        the engine (once per constraint: it caches them), so that one it cannot enforce is a
+        400 before the request starts."""
+        found = output_constraint(req, tool_choice)
+        if found is None:
+            return None
+        param, constraint = found
+        try:
+            call = self.loop.call(lambda engine: engine.compile_grammar(constraint))
+        except RuntimeError as err:  # the engine loop is shutting down
+            raise ApiError(503, str(err), type="server_error", code="shutting_down") from None
+        try:
+            await asyncio.wrap_future(await call)
+        except ValueError as err:  # what validation could not see (an unsatisfiable schema)
+            raise ApiError(400, str(err), param=param) from None
+        return constraint
+
     def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None):  # fmt: skip
+                        prompt_logprobs: int | None = None, structured_outputs=None):  # fmt: skip
         if not isinstance(req.n, int) or not 1 <= req.n <= MAX_N:
             raise ApiError(400, f"n must be an int in [1, {MAX_N}], got {req.n}", param="n")
         if req.n > self.capacity:
@@ -421,6 +473,8 @@ class OpenAIServer:
             prompt_logprobs=prompt_logprobs,
             logit_bias=bias,
         )
+        if structured_outputs is not None:
+            kwargs["structured_outputs"] = structured_outputs
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError, NotImplementedError) as err:
@@ -572,8 +626,10 @@ class OpenAIServer:
         max_tokens = 1 if echo_only else req.max_tokens
         for _, ids in prompts:
             self.check_prompt(ids, max_tokens, "prompt")
+        constraint = await self.output_constraint(req)
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                      prompt_logprobs=prompt_logprobs)  # fmt: skip
+                                      prompt_logprobs=prompt_logprobs,
+                                      structured_outputs=constraint)  # fmt: skip
         gen = await self._start(request, prompts, params, req.n, hide_output=echo_only)
         head = {"id": f"cmpl-{gen.base_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}  # fmt: skip
@@ -681,11 +737,15 @@ class OpenAIServer:
         if template is None:
             raise ApiError(400, "this model's tokenizer has no chat template: start the server "
                            "with --chat-template", param="messages")  # fmt: skip
+        tool_choice = resolve_tool_choice(req)
+        new_parser = self._tool_call_parser_for(tool_choice, req.tools)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:  # rendered whatever tool_choice says, "none" included (as in vLLM)
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             text = render_chat(
                 self.tokenizer, [m.for_template() for m in req.messages], chat_template=template,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+                add_generation_prompt=req.add_generation_prompt, **template_kwargs,
             )  # fmt: skip
         except Exception as err:  # a template's raise_exception, or a field it cannot render
             raise ApiError(400, f"the chat template could not render these messages: "
@@ -702,8 +762,12 @@ class OpenAIServer:
         if logprobs is not None and not 0 <= logprobs <= 20:
             raise ApiError(400, f"top_logprobs must be an int in [0, 20], got {logprobs}",
                            param="top_logprobs")  # fmt: skip
+        if tool_choice == "auto" and self.tool_tags_are_special:
+            req = req.model_copy(update={"skip_special_tokens": False})
+        constraint = await self.output_constraint(req, tool_choice)
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                      prompt_logprobs=req.prompt_logprobs)  # fmt: skip
+                                      prompt_logprobs=req.prompt_logprobs,
+                                      structured_outputs=constraint)  # fmt: skip
         gen = await self._start(request, [(text, ids)], params, req.n)
         head = {"id": f"chatcmpl-{gen.base_id}", "object": "chat.completion",
                 "created": int(time.time()), "model": model}  # fmt: skip
@@ -711,17 +775,25 @@ class OpenAIServer:
             head["object"] = "chat.completion.chunk"
             # vLLM sends the prompt's token ids with the opening (role) chunks.
             opening_fields = {"prompt_token_ids": ids} if req.return_token_ids else None
-            return self._stream(gen, head, req, *self._chat_chunks(req, logprobs),
-                                opening_fields=opening_fields)  # fmt: skip
+            chunks = self._chat_chunks(req, logprobs, new_parser, tool_choice)
+            return self._stream(gen, head, req, *chunks, opening_fields=opening_fields)
         await gen.run()
         choices = []
         for i, seq in enumerate(gen.seqs[0]):
+            message = {"role": "assistant", "content": seq.text}
+            finish_reason = seq.finish_reason
+            if new_parser is not None:
+                parser = new_parser()
+                message["content"], calls = parse_tool_calls(parser, seq.text)
+                if calls:
+                    message["tool_calls"] = [call.to_json() for call in calls]
+                finish_reason = _finish_reason(seq.finish_reason, parser, tool_choice)
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": seq.text},
+                "message": message,
                 "logprobs": self._chat_logprobs(seq.token_ids, seq.logprobs, logprobs)
                 if logprobs is not None else None,
-                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                "finish_reason": finish_reason, "stop_reason": seq.stop_reason,
             }  # fmt: skip
             if req.return_token_ids:
                 choice["token_ids"] = seq.token_ids
@@ -748,26 +820,69 @@ class OpenAIServer:
             })  # fmt: skip
         return {"content": content}
 
-    def _chat_chunks(self, req, logprobs: int | None):
+    def _tool_call_parser_for(self, tool_choice, tools):
+        """A new parser per choice for this request's tool calls (a factory), or None when
+        the output is not read for calls."""
+        if tool_choice == "required":
+            return RequiredToolCalls
+        if isinstance(tool_choice, NamedToolChoice):
+            return functools.partial(NamedToolCall, tool_choice.function.name)
+        if tool_choice != "auto":
+            return None
+        others = 'or send tool_choice "required", "none" or a named function'
+        if self.tool_call_parser is None:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) reads tool calls in '
+                           "the format the chat template teaches, and this model's template "
+                           f"teaches none this server knows ({', '.join(TOOL_CALL_PARSERS)}): "
+                           "start the server with --enable-auto-tool-choice --tool-call-parser "
+                           f"NAME, {others}", param="tool_choice")  # fmt: skip
+        if not self.config.enable_auto_tool_choice:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) requires the server '
+                           "to run with --enable-auto-tool-choice (this model's chat template "
+                           f"uses the {self.tool_call_parser!r} format), {others}",
+                           param="tool_choice")  # fmt: skip
+        functions = [t.function.model_dump(exclude_none=True) for t in tools]
+        return functools.partial(TOOL_CALL_PARSERS[self.tool_call_parser], functions)
+
+    def _chat_chunks(self, req, logprobs: int | None, new_parser=None, tool_choice="none"):
         """The opening choices (the assistant's role) and the choices of one delta, for a
-        streamed chat completion."""
+        streamed chat completion. With a tool-call parser (one per choice), a delta's content
+        comes first, then each piece of a call in a chunk of its own, OpenAI's
+        `delta.tool_calls`; the last chunk of a delta carries its finish_reason."""
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(req.n)]  # fmt: skip
+        parsers: dict[int, ToolCallParser] = {}
+
+        def deltas(c) -> tuple[list[dict], str | None]:
+            text = c.text or ""
+            if new_parser is None:
+                return [{"content": text}], c.finish_reason
+            parser = parsers.setdefault(c.index, new_parser())
+            content, calls = parser.feed(text)
+            if c.finish_reason is not None:
+                rest, more = parser.finish()
+                content, calls = content + rest, calls + more
+            finish_reason = _finish_reason(c.finish_reason, parser, tool_choice)
+            return _tool_deltas(content, calls), finish_reason
 
         def choices(_p: int, out: RequestOutput):
             for c in out.outputs:
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": c.text or ""},
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                if logprobs is not None and c.logprobs:
-                    choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, logprobs)
-                if req.return_token_ids:
-                    choice["token_ids"] = c.token_ids
-                yield choice
+                pieces, finish_reason = deltas(c)
+                for k, delta in enumerate(pieces):
+                    last = k == len(pieces) - 1
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": None,
+                        "finish_reason": finish_reason if last else None,
+                        "stop_reason": c.stop_reason if last else None,
+                    }
+                    if k == 0 and logprobs is not None and c.logprobs:
+                        choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs,
+                                                                 logprobs)  # fmt: skip
+                    if k == 0 and req.return_token_ids:
+                        choice["token_ids"] = c.token_ids
+                    yield choice
 
         return opening, choices
 
@@ -809,6 +924,20 @@ class OpenAIServer:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+def _finish_reason(reason: str | None, parser: ToolCallParser, tool_choice) -> str | None:
+    """A choice that ended by itself with tool calls finished by "tool_calls", but for a named
+    function, which is "stop", as in OpenAI's API and vLLM."""
+    if reason == "stop" and parser.num_calls and not isinstance(tool_choice, NamedToolChoice):
+        return "tool_calls"
+    return reason
+
+
+def _tool_deltas(content: str, calls: list[ToolCallDelta]) -> list[dict]:
+    """A delta's chunks: its content (if any, or if nothing else), then one per call piece."""
+    pieces = [{"content": content}] if content or not calls else []
+    return pieces + [{"tool_calls": [call.to_json()]} for call in calls]
 
 
 def _data(obj) -> str:

@@ -15,6 +15,7 @@ from jaxmamba.cli_args import (
     llm_from_args,
 )
 from jaxmamba.engine.config import RunConfig
+from jaxmamba.serve.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -39,6 +40,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="model name(s) clients use (default: the model)")  # fmt: skip
     p.add_argument("--chat-template", help="a Jinja chat template (a file, or the template "
                    "itself) instead of the tokenizer's")  # fmt: skip
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default when a request has tools): read '
+                   "tool calls out of the output, in --tool-call-parser's format "
+                   "(vLLM's flag)")  # fmt: skip
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
+                   help="the tool-call format the model writes (default: the one its chat "
+                   "template teaches; docs/structured_outputs.md)")  # fmt: skip
     p.add_argument(
         "--max-queued-requests",
         "--max-waiting-requests",
@@ -87,6 +95,8 @@ def cmd_serve(args) -> int:
         max_queued_requests=args.max_queued_requests,
         max_body_bytes=args.max_request_body_bytes,
         chat_template=template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_server(llm, config, host=args.host, port=args.port, grace_s=args.shutdown_grace_s,
                       log_level=args.log_level)  # fmt: skip

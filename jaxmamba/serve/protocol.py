@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI API (the fields this server implements, plus vLLM's sampling
-extensions), and the OpenAI error shape.
+and structured-output extensions), and the OpenAI error shape.
 
 Types are checked strictly here (a string is not a number, `true` is not an int); unknown
 top-level fields are rejected, as OpenAI's API rejects them. Value ranges are checked by
@@ -8,6 +8,7 @@ top-level fields are rejected, as OpenAI's API rejects them. Value ranges are ch
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 128
 # Seeds are int64, as in vLLM.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class ApiError(Exception):
+    """A request the server answers with `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
 
 
 class ErrorInfo(BaseModel):
@@ -37,10 +49,21 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
-    # Any type parses, so that the 400 for a structured format names it; only "text" runs.
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute: the field has the alias instead.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # Every schema is enforced as written, strict or not (as in vLLM).
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that validates against
+    `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -58,6 +81,14 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="StructuredOutputsParams' fields: json, regex, choice, grammar, "
+        "json_object and the JSON options (vLLM)",
+    )  # fmt: skip
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -100,7 +131,47 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        # An earlier turn's tool calls carry their arguments as JSON text (OpenAI's shape);
+        # templates iterate them (`arguments|items`), so they get the object, as in vLLM.
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_arguments_as_object(call) for call in calls]
         return message
+
+
+def _arguments_as_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -111,3 +182,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    # None: "auto" when there are tools, else "none" (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True

@@ -64,7 +64,9 @@ def paged_attention(
 ) -> jax.Array:
     """Causal GQA attention over paged K/V: token t attends to its row's keys at positions
     ``0..token_positions[t]`` (its own K/V already written). Query head h uses KV head
-    ``h // (Hq // Hkv)``. Returns ``o [T, Hq, Dh]`` in ``q.dtype``.
+    ``h // (Hq // Hkv)``. Returns ``o [T, Hq, Dh]`` in ``q.dtype``. The pages may be
+    float8_e4m3fn (an FP8 KV cache): every implementation upcasts what it reads to
+    ``q.dtype``; the pages' scales are the caller's to apply (``jaxmamba/model/attention.py``).
 
     ``impl`` (see ``dispatch``): the kernels are ``tpu.paged_attention_tpu`` (Mosaic TPU; also
     what "interpret" runs, under ``pltpu.InterpretParams()``) and ``gpu.paged_attention_gpu``

@@ -123,6 +123,8 @@ def _kernel(
         # Masked-off positions (past the block's last position) read as 0: never NaN.
         k = pltriton.load(k_ref.at[slot[:, None], kv_head, d[None, :]], mask=kv_mask, other=0)
         v = pltriton.load(v_ref.at[slot[:, None], kv_head, d[None, :]], mask=kv_mask, other=0)
+        if k.dtype != q.dtype:  # FP8 pages: upcast in registers, read at 1 byte a value
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=_F32
         )

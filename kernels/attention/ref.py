@@ -73,6 +73,8 @@ def paged_attention_ref(
         pages = page_table[rows]  # [bt, MP]
         kb = k_pages[pages].reshape(block_tokens, context, num_kv_heads, head_dim)
         vb = v_pages[pages].reshape(block_tokens, context, num_kv_heads, head_dim)
+        if kb.dtype != q.dtype:  # FP8 pages: multiplied in the query's dtype
+            kb, vb = kb.astype(q.dtype), vb.astype(q.dtype)
         visible = key_pos[None, :] <= positions[:, None]  # [bt, L]
         # K/V stay in the cache dtype (the [bt, L, Hkv, Dh] gathers dominate memory); the
         # contractions accumulate in float32.

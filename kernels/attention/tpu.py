@@ -122,6 +122,8 @@ def _kernel(
         for h in range(num_kv_heads):
             k = k_buf[buf, :, :, h, :].reshape(step_len, head_dim)
             v = v_buf[buf, :, :, h, :].reshape(step_len, head_dim)
+            if k.dtype != q_ref.dtype:  # FP8 pages: upcast in VMEM
+                k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
             v = jnp.where(kv_ok, v, jnp.zeros((), v.dtype))
             s = lax.dot_general(
                 q_ref[h], k, (((1,), (1,)), ((), ())), precision=precision,

@@ -4,6 +4,9 @@ At decode the dense projections are weight-streaming GEMVs: the time is reading 
 HBM, the FLOPs are negligible. The Pallas GPU kernel (``gpu.py``) is built to stream W at HBM
 bandwidth; the reference (``ref.py``) is XLA's ``jnp.dot`` with float32 accumulation. No TPU
 kernel: ``impl="auto"`` runs the reference there.
+
+Quantized weights (FP8, int8) multiply through ``quantized.scaled_matmul``, on XLA's dot at
+every size: the kernel takes bf16 ``[K, N]`` weights only.
 """
 
 from __future__ import annotations
@@ -14,9 +17,18 @@ import jax
 
 from ..dispatch import current_platform, select_impl
 from .gpu import MAX_ROWS, small_m_matmul_gpu
+from .quantized import QuantizedWeight, scaled_matmul
 from .ref import small_m_matmul_ref
 
-__all__ = ["MAX_ROWS", "SMALL_M_ENV", "model_small_m_impl", "small_m_matmul", "small_m_matmul_ref"]
+__all__ = [
+    "MAX_ROWS",
+    "SMALL_M_ENV",
+    "QuantizedWeight",
+    "model_small_m_impl",
+    "scaled_matmul",
+    "small_m_matmul",
+    "small_m_matmul_ref",
+]
 
 # "0" keeps XLA's dot for the decode projections of GPU models (for A/B runs). Read when a
 # model resolves its impls (`model_small_m_impl`), so set it before building the runner.

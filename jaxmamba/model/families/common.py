@@ -212,7 +212,9 @@ class Entry:
     apart that we fuse). Names are without the base prefix (`lm_head.weight` is outside the
     base). `alt_names` are other spellings of a single name; `alternatives` are other HF
     layouts of the whole array (entries with the same path), read when a tensor of this one
-    is missing. `to_hf` returns the joined array.
+    is missing. `to_hf` returns the joined array. `quantizable`: an HF Linear weight (or
+    stacked expert weights) that the model can run quantized (`jaxmamba.model.quantization`);
+    routers, gates, the lm_head, embeddings, convs and norms are not.
     """
 
     path: tuple[str, ...]  # our path in the param tree
@@ -224,6 +226,7 @@ class Entry:
     alt_names: tuple[str, ...] = field(default=())
     rows: tuple[int, ...] = field(default=())
     alternatives: tuple[Entry, ...] = field(default=())
+    quantizable: bool = field(default=False)
 
     def __post_init__(self) -> None:
         if self.rows and (
@@ -284,12 +287,29 @@ def swap_last(x: np.ndarray) -> np.ndarray:
     return np.swapaxes(x, -1, -2)
 
 
-def scaled(fn: Callable[[np.ndarray], np.ndarray], factor) -> Callable[[np.ndarray], np.ndarray]:
+@dataclass(frozen=True, eq=False)
+class Scaled:
     """`fn` then a multiplication by `factor` (a float, or a vector over the last axis), in
-    float32: how a constant multiplier of HF's forward folds into a weight."""
+    float32: how a constant multiplier of HF's forward folds into a weight. A quantized
+    weight keeps its values: the loader moves it with `fn` alone and folds `factor` into its
+    scales."""
+
+    fn: Callable[[np.ndarray], np.ndarray]
+    factor: Any
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.fn(x).astype(np.float32) * np.asarray(self.factor, np.float32)
+
+
+def scaled(fn: Callable[[np.ndarray], np.ndarray], factor) -> Callable[[np.ndarray], np.ndarray]:
     if isinstance(factor, int | float) and factor == 1:
         return fn
-    return lambda x: fn(x).astype(np.float32) * np.asarray(factor, np.float32)
+    return Scaled(fn, factor)
+
+
+def layout(to_ours: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+    """`to_ours` without a folded multiplier: where each value goes, nothing more."""
+    return to_ours.fn if isinstance(to_ours, Scaled) else to_ours
 
 
 def _conv_to_ours(x: np.ndarray) -> np.ndarray:
@@ -304,14 +324,16 @@ def vector(path, hf_name, n, fp32=False, to_ours=identity) -> Entry:
     return Entry(path, hf_name, (n,), to_ours, identity if to_ours is identity else None, fp32)
 
 
-def linear(path, hf, d_in, d_out, bias, *, scale=1.0, bias_scale=None) -> list[Entry]:
+def linear(
+    path, hf, d_in, d_out, bias, *, scale=1.0, bias_scale=None, quantizable=True
+) -> list[Entry]:
     """An HF `nn.Linear` -> our `Linear`; `scale` (a float or a per-output vector) folds a
     constant multiplier of its input or output into the weight (and, as `bias_scale`, its
     bias: defaults to `scale`)."""
     to_hf = transpose if isinstance(scale, int | float) and scale == 1 else None
     out = [
         Entry((*path, "kernel"), f"{hf}.weight", (d_out, d_in), scaled(transpose, scale), to_hf,
-              False)
+              False, quantizable=quantizable)
     ]  # fmt: skip
     if bias:
         bias_scale = scale if bias_scale is None else bias_scale
@@ -405,8 +427,24 @@ def fused_glu_mlp(
     """A gated MLP whose gate and up projections are one HF tensor `[2F, E]`, gate first."""
     gate_up = f"{hm}.{up}.weight"
     return [
-        Entry((*m, "gate_proj", "kernel"), gate_up, (2 * F, E), lambda x: x[:F].T, None, False),
-        Entry((*m, "up_proj", "kernel"), gate_up, (2 * F, E), lambda x: x[F:].T, None, False),
+        Entry(
+            (*m, "gate_proj", "kernel"),
+            gate_up,
+            (2 * F, E),
+            lambda x: x[:F].T,
+            None,
+            False,
+            quantizable=True,
+        ),
+        Entry(
+            (*m, "up_proj", "kernel"),
+            gate_up,
+            (2 * F, E),
+            lambda x: x[F:].T,
+            None,
+            False,
+            quantizable=True,
+        ),
         *linear((*m, "down_proj"), f"{hm}.{down}", F, E, False, scale=down_scale),
     ]
 
@@ -515,18 +553,19 @@ def softmax_moe(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> list[Entry]:
     gate_up = tuple(f"{e}.{p}_proj.weight" for p in ("gate", "up") for e in experts)
     down = tuple(f"{e}.down_proj.weight" for e in experts)
     fused_up = Entry((*m, "experts_up"), f"{hm}.experts.gate_up_proj", (X, 2 * F, E), swap_last,
-                     swap_last, False)  # fmt: skip
+                     swap_last, False, quantizable=True)  # fmt: skip
     fused_down = Entry((*m, "experts_down"), f"{hm}.experts.down_proj", (X, E, F), swap_last,
-                       swap_last, False)  # fmt: skip
+                       swap_last, False, quantizable=True)  # fmt: skip
     return [
         Entry((*m, "router", "kernel"), f"{hm}.gate.weight", (X, E), transpose, transpose, False),
         Entry((*m, "experts_up"), gate_up, (F, E), _gate_up_to_ours, _gate_up_to_hf, False,
-              alternatives=(fused_up,)),
+              alternatives=(fused_up,), quantizable=True),
         Entry((*m, "experts_down"), down, (E, F), swap_last, swap_last, False,
-              alternatives=(fused_down,)),
+              alternatives=(fused_down,), quantizable=True),
         *glu_mlp((*m, "shared_expert"), f"{hm}.shared_expert", E,
                  cfg.moe_shared_intermediate_size, False),
-        *linear((*m, "shared_expert_gate"), f"{hm}.shared_expert_gate", E, 1, False),
+        *linear((*m, "shared_expert_gate"), f"{hm}.shared_expert_gate", E, 1, False,
+                quantizable=False),
     ]  # fmt: skip
 
 

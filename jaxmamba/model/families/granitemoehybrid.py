@@ -93,9 +93,9 @@ def param_map(cfg: ModelConfig) -> list[common.Entry]:
                 common.Entry((*m, "router", "kernel"), f"{moe}.router.layer.weight", (X, E),
                              common.transpose, common.transpose, False),
                 common.Entry((*m, "experts_up"), f"{moe}.input_linear.weight", (X, 2 * F, E),
-                             common.swap_last, common.swap_last, False),
+                             common.swap_last, common.swap_last, False, quantizable=True),
                 common.Entry((*m, "experts_down"), f"{moe}.output_linear.weight", (X, E, F),
-                             common.swap_last, common.swap_last, False),
+                             common.swap_last, common.swap_last, False, quantizable=True),
             ]  # fmt: skip
             plan += common.fused_glu_mlp(
                 (*m, "shared_expert"), f"{hf}.shared_mlp", E, cfg.moe_shared_intermediate_size,

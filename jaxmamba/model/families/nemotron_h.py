@@ -168,8 +168,10 @@ def _moe(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> list[common.Entry]:
     return [
         common.Entry((*m, "router"), f"{hm}.gate.weight", (X, E), common.transpose, None, True),
         common.vector((*m, "router_bias"), f"{hm}.gate.e_score_correction_bias", X, fp32=True),
-        common.Entry((*m, "experts_up"), up, (F, E), common.swap_last, None, False),
-        common.Entry((*m, "experts_down"), down, (E, F), common.swap_last, None, False),
+        common.Entry((*m, "experts_up"), up, (F, E), common.swap_last, None, False,
+                     quantizable=True),
+        common.Entry((*m, "experts_down"), down, (E, F), common.swap_last, None, False,
+                     quantizable=True),
         *common.relu2_mlp(
             (*m, "shared_expert"), f"{hm}.shared_experts", E, cfg.moe_shared_intermediate_size,
             cfg.mlp_bias,

@@ -111,7 +111,8 @@ def _in_proj(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> common.Entry:
             cfg.gdn_num_value_heads)  # fmt: skip
     names = tuple(f"{hm}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
     return common.Entry((*m, "in_proj", "kernel"), names, (sum(rows), cfg.hidden_size),
-                        common.transpose, common.transpose, False, rows=rows)  # fmt: skip
+                        common.transpose, common.transpose, False, rows=rows,
+                        quantizable=True)  # fmt: skip
 
 
 param_map = qwen3_next.param_map_with(_in_proj)

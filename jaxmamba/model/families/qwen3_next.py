@@ -254,7 +254,7 @@ def _in_proj_qkvz_ba(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> common.En
     names = (f"{hm}.in_proj_qkvz.weight", f"{hm}.in_proj_ba.weight")
     rows = (group.size, ba.size)
     return common.Entry((*m, "in_proj", "kernel"), names, (sum(rows), cfg.hidden_size), to_ours,
-                        to_hf, False, rows=rows)  # fmt: skip
+                        to_hf, False, rows=rows, quantizable=True)  # fmt: skip
 
 
 def param_map_with(
