@@ -276,22 +276,15 @@ class MoE(nn.Module):
             weights = weights.astype(self.dtype).astype(jnp.float32)
         width = 2 * F if cfg.mlp_activation == "silu_glu" else F
         init = nn.initializers.normal(0.02)
-        w_up = quantized_param(self, "experts_up")
-        if w_up is None:
-            w_up = self.param(
-                "experts_up",
-                nn.with_logical_partitioning(init, ("experts", "embed", "moe_mlp")),
-                (X, E, width),
-                self.dtype,
-            )
-        w_down = quantized_param(self, "experts_down")
-        if w_down is None:
-            w_down = self.param(
-                "experts_down",
-                nn.with_logical_partitioning(init, ("experts", "moe_mlp", "embed")),
-                (X, F, E),
-                self.dtype,
-            )
+
+        def weight(name, axes, shape):  # the checkpoint's quantized form, else the float param
+            quantized = quantized_param(self, name)
+            if quantized is not None:
+                return quantized
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape, self.dtype)
+
+        w_up = weight("experts_up", ("experts", "embed", "moe_mlp"), (X, E, width))
+        w_down = weight("experts_down", ("experts", "moe_mlp", "embed"), (X, F, E))
         out = grouped_experts(
             x, weights, idx, w_up, w_down, cfg.mlp_activation, self.dtype, self.impl
         )

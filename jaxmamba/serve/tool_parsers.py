@@ -327,7 +327,7 @@ class RequiredToolCalls(ToolCallParser):
         super().__init__()
         self._buf = ""
         self._pos = 0  # what is parsed
-        self._tried = 0  # where the last incomplete item was tried up to
+        self._tried = 0  # the buffer before this holds no '}' the open item could end at
         self._state = "open"  # open, first, item, separator, closed, bad
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
