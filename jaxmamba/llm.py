@@ -180,7 +180,7 @@ class LLM:
         for i, ((_, token_ids), sp) in enumerate(zip(parsed, sampling_params, strict=True)):
             try:
                 engine.check_prompt(token_ids)
-                constraint = getattr(sp, "structured_outputs", None)
+                constraint = sp.structured_outputs
                 if constraint is not None:  # compiled once per constraint, and cached
                     engine.compile_grammar(constraint).result()
             except ValueError as e:

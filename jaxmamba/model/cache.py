@@ -36,8 +36,7 @@ class StateCache(NamedTuple):
 def kv_dtype(spec: CacheSpec, dtype) -> jnp.dtype:
     """The pages' dtype: `dtype` (the model's), or the spec's `kv_dtype` setting's
     (`EngineConfig.kv_cache_dtype`)."""
-    # `CacheSpec.kv_dtype` (step_contract.py) carries the setting; "auto" where it has none.
-    return jnp.dtype(kv_cache_dtype(getattr(spec, "kv_dtype", "auto"), dtype))
+    return jnp.dtype(kv_cache_dtype(spec.kv_dtype, dtype))
 
 
 # Logical axis names of each cache array, for sharding (heads split across devices). A Gated
