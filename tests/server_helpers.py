@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import httpx
 
@@ -82,3 +83,61 @@ def serve_process(args: list[str], env: dict[str, str] | None = None, timeout_s:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class StreamedChoice(NamedTuple):
+    content: str
+    tool_calls: list[dict]
+    finish_reason: str | None
+    reasoning: str  # `delta.reasoning_content`, which must equal `delta.reasoning`
+
+
+def reassembled(events: list) -> dict[int, StreamedChoice]:
+    """Each choice of a chat stream's chunks (the `[DONE]` last), merged as OpenAI's clients
+    merge them: by index, text concatenated, a call's name from its head and its arguments
+    concatenated."""
+    content: dict[int, str] = {}
+    reasoning: dict[int, str] = {}
+    calls: dict[int, dict[int, dict]] = {}
+    finish: dict[int, str] = {}
+    for e in events[:-1]:
+        choice = e["choices"][0]
+        i, delta = choice["index"], choice["delta"]
+        content[i] = content.get(i, "") + (delta.get("content") or "")
+        assert delta.get("reasoning") == delta.get("reasoning_content"), delta
+        reasoning[i] = reasoning.get(i, "") + (delta.get("reasoning_content") or "")
+        for d in delta.get("tool_calls") or ():
+            call = calls.setdefault(i, {}).setdefault(
+                d["index"], {"id": None, "name": None, "arguments": ""}
+            )
+            call["id"] = d.get("id") or call["id"]
+            call["name"] = d.get("function", {}).get("name") or call["name"]
+            call["arguments"] += d.get("function", {}).get("arguments", "")
+        finish[i] = choice["finish_reason"] or finish.get(i)
+    return {
+        i: StreamedChoice(content[i], [{"id": c["id"], "type": "function",
+                                        "function": {"name": c["name"],
+                                                     "arguments": c["arguments"]}}
+                                       for _, c in sorted(calls.get(i, {}).items())],
+                          finish[i], reasoning[i])
+        for i in content
+    }  # fmt: skip
+
+
+def call_args(calls: list[dict]) -> list[tuple[str, dict]]:
+    """(name, arguments as an object) of OpenAI `tool_calls`."""
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@contextlib.contextmanager
+def serving(llm, config: ServerConfig):
+    """`ServerThread(llm, config)` with an httpx client and an `openai` client on it."""
+    import openai
+
+    server = ServerThread(llm, config)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            yield server, http, openai.OpenAI(base_url=f"{server.url}/v1", api_key="none",
+                                              max_retries=0)  # fmt: skip
+    finally:
+        server.stop()

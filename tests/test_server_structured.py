@@ -9,12 +9,11 @@ on hand-written outputs of every format, cut into random stream pieces."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
 
-import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
@@ -24,6 +23,7 @@ from jaxmamba.serve.api_server import OpenAIServer, ServerConfig
 from jaxmamba.serve.constraints import required_schema
 from jaxmamba.serve.protocol import Tool
 from jaxmamba.serve.tool_parsers import (
+    TOOL_CALL_PARSERS,
     HermesParser,
     NamedToolCall,
     NemotronJsonParser,
@@ -32,9 +32,12 @@ from jaxmamba.serve.tool_parsers import (
     detect_tool_call_parser,
     merge_deltas,
     parse_tool_calls,
+    tool_call_tags,
 )
 
-from server_helpers import ServerThread, sse_events
+from chat_fixtures import NEMOTRON_TEMPLATE, QWEN_TEMPLATE, write_chat_tokenizer
+from schema_helpers import assert_valid, conforms
+from server_helpers import call_args, reassembled, serving, sse_events
 
 TINY = "nemotron-h-tiny"
 ENGINE = dict(max_num_seqs=4, max_model_len=384, max_num_batched_tokens=32)
@@ -78,45 +81,6 @@ TOOLS = [{"type": "function", "function": {"name": name, "description": f"the {n
                                            "parameters": schema}}
          for name, schema in PARAMETERS.items()]  # fmt: skip
 USER = [{"role": "user", "content": "weather in Paris?"}]
-
-
-# -- an independent validator for the schemas above --------------------------------------------
-def conforms(doc, schema: dict, root: dict) -> bool:
-    if "$ref" in schema:
-        return conforms(doc, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root)
-    if "anyOf" in schema:
-        return any(conforms(doc, s, root) for s in schema["anyOf"])
-    if "const" in schema:
-        return doc == schema["const"]
-    if "enum" in schema:
-        return doc in schema["enum"] and isinstance(doc, str)
-    kind = schema["type"]
-    if kind == "integer":
-        return (isinstance(doc, int) and not isinstance(doc, bool)
-                and schema.get("minimum", -1e18) <= doc <= schema.get("maximum", 1e18))  # fmt: skip
-    if kind == "string":
-        return isinstance(doc, str) and len(doc) <= schema.get("maxLength", 10**9)
-    if kind == "boolean":
-        return isinstance(doc, bool)
-    if kind == "array":
-        return (isinstance(doc, list)
-                and schema.get("minItems", 0) <= len(doc) <= schema.get("maxItems", 10**9)
-                and all(conforms(x, schema["items"], root) for x in doc))  # fmt: skip
-    assert kind == "object", schema
-    props = schema.get("properties", {})
-    return (isinstance(doc, dict) and set(schema.get("required", ())) <= set(doc)
-            and (schema.get("additionalProperties", True) is not False or set(doc) <= set(props))
-            and all(conforms(v, props[k], root) for k, v in doc.items() if k in props))  # fmt: skip
-
-
-def assert_valid(text: str, schema: dict) -> None:
-    doc = json.loads(text)
-    assert conforms(doc, schema, schema), f"{text!r} does not conform to {schema}"
-    try:
-        import jsonschema_rs
-    except ImportError:
-        return
-    assert jsonschema_rs.validator_for(schema).is_valid(doc), text
 
 
 # -- the tool-call parsers, on hand-written outputs ---------------------------------------------
@@ -232,9 +196,9 @@ def test_required_schema_moves_the_tools_definitions_to_its_root():
     schema = required_schema([Tool.model_validate(t) for t in TOOLS], parallel=False)
     assert schema["$defs"] == PAINT["$defs"] and schema["maxItems"] == 1
     doc = [{"name": "paint", "parameters": {"color": "red"}}]
-    assert conforms(doc, schema, schema)
-    assert not conforms([{"name": "paint", "parameters": {"color": "green"}}], schema, schema)
-    assert not conforms([{"name": "add", "parameters": {"color": "red"}}], schema, schema)
+    assert conforms(doc, schema)
+    assert not conforms([{"name": "paint", "parameters": {"color": "green"}}], schema)
+    assert not conforms([{"name": "add", "parameters": {"color": "red"}}], schema)
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -244,23 +208,21 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def server(llm):
+def served(llm):
     config = ServerConfig(served_model_names=(NAME,), chat_template=TEMPLATE,
                           enable_auto_tool_choice=True)  # fmt: skip
-    s = ServerThread(llm, config)
-    yield s
-    s.stop()
+    with serving(llm, config) as (_, http, client):
+        yield http, client
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
+def http(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+def client(served):
+    return served[1]
 
 
 def post(http, route: str, body: dict) -> dict:
@@ -311,9 +273,9 @@ def test_vllm_fields_constrain_completions(http):
     cases = [
         ({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
         ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
-        ({"guided_json": ADD}, lambda t: conforms(json.loads(t), ADD, ADD)),
+        ({"guided_json": ADD}, lambda t: conforms(json.loads(t), ADD)),
         ({"structured_outputs": {"json": WEATHER, "disable_any_whitespace": True}},
-         lambda t: conforms(json.loads(t), WEATHER, WEATHER) and not re.search(r"\s", t)),
+         lambda t: conforms(json.loads(t), WEATHER) and not re.search(r"\s", t)),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
         ({"guided_grammar": 'root ::= "x" [0-9] [0-9]?'}, lambda t: re.fullmatch(r"x\d\d?", t)),
     ]  # fmt: skip
@@ -385,45 +347,16 @@ def test_bad_constraints_are_400s_naming_the_problem(http, case, route, fields, 
     assert err["type"] == "invalid_request_error"
 
 
-def call_args(calls: list[dict]) -> list[tuple[str, dict]]:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
-
-
-def reassembled(events: list) -> dict[int, tuple[str, list[dict], str]]:
-    """Each choice's (content, tool_calls, finish_reason) from a chat stream's chunks, merged
-    as OpenAI's clients merge them: by index, the name from the head, arguments concatenated."""
-    content: dict[int, str] = {}
-    calls: dict[int, dict[int, dict]] = {}
-    finish: dict[int, str] = {}
-    for e in events[:-1]:
-        choice = e["choices"][0]
-        i = choice["index"]
-        content[i] = content.get(i, "") + (choice["delta"].get("content") or "")
-        for d in choice["delta"].get("tool_calls") or ():
-            call = calls.setdefault(i, {}).setdefault(
-                d["index"], {"id": None, "name": None, "arguments": ""}
-            )
-            call["id"] = d.get("id") or call["id"]
-            call["name"] = d.get("function", {}).get("name") or call["name"]
-            call["arguments"] += d.get("function", {}).get("arguments", "")
-        finish[i] = choice["finish_reason"] or finish.get(i)
-    return {
-        i: (content[i], [{"id": c["id"], "type": "function",
-                          "function": {"name": c["name"], "arguments": c["arguments"]}}
-                         for _, c in sorted(calls.get(i, {}).items())], finish[i])
-        for i in content
-    }  # fmt: skip
-
-
 def assert_stream_matches(http, body: dict, whole: list[dict]) -> None:
     streamed = reassembled(stream(http, "chat/completions", body))
     assert sorted(streamed) == [c["index"] for c in whole]
     for choice in whole:
-        content, calls, finish = streamed[choice["index"]]
-        assert call_args(calls) == call_args(choice["message"].get("tool_calls") or [])
-        assert (content or None) == choice["message"]["content"]
-        assert finish == choice["finish_reason"]
-        assert all(c["id"].startswith("call_") for c in calls)
+        got = streamed[choice["index"]]
+        assert call_args(got.tool_calls) == call_args(choice["message"].get("tool_calls") or [])
+        assert (got.content or None) == choice["message"]["content"]
+        assert got.finish_reason == choice["finish_reason"]
+        assert all(c["id"].startswith("call_") for c in got.tool_calls)
+        assert not got.reasoning and "reasoning_content" not in choice["message"]
 
 
 def test_named_tool_choice_calls_that_function_with_valid_arguments(http):
@@ -451,7 +384,7 @@ def test_required_tool_choice_calls_tools_with_valid_arguments(http):
         calls = choice["message"]["tool_calls"]
         assert len(calls) == 1 and choice["message"]["content"] is None
         for name, arguments in call_args(calls):
-            assert conforms(arguments, PARAMETERS[name], PARAMETERS[name]), (name, arguments)
+            assert conforms(arguments, PARAMETERS[name]), (name, arguments)
             seen.add(name)
     assert len(seen) >= 2, seen  # the anyOf lets the model pick
     assert_stream_matches(http, body, whole)
@@ -466,7 +399,7 @@ def test_auto_tool_choice_parses_the_hermes_format_with_content_before(http):
     whole = post(http, "chat/completions", body)["choices"]
     assert whole[0]["message"]["content"] == "On it."
     [(name, arguments)] = call_args(whole[0]["message"]["tool_calls"])
-    assert name == "get_weather" and conforms(arguments, WEATHER, WEATHER)
+    assert name == "get_weather" and conforms(arguments, WEATHER)
     assert whole[0]["finish_reason"] == "tool_calls"
     assert_stream_matches(http, body, whole)
     free = post(http, "chat/completions", {**body, "guided_regex": "[a-z ]{3,9}"})["choices"][0]
@@ -517,3 +450,62 @@ def test_serve_takes_vllms_tool_flags():
     assert not defaults.enable_auto_tool_choice and defaults.tool_call_parser is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", TINY, "--tool-call-parser", "llama3_json"])
+
+
+# -- the formats, through the chat templates that teach them -------------------------------------
+PLAN = {
+    "type": "object",
+    "properties": {"stops": {"type": "array", "items": {"type": "string"}},
+                   "fast": {"type": "boolean"}, "budget": {"type": "number"},
+                   "days": {"type": "integer"}, "meta": {"type": "object"},
+                   "note": {"type": "string"}},
+}  # fmt: skip
+ROUND_TRIP_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "plan", "parameters": PLAN}}]
+ROUND_TRIP_CALLS = [
+    ("get_weather", {"city": "Paris", "unit": "c"}),
+    ("plan", {"stops": ["Oslo", "Rome"], "fast": True, "budget": 2.5, "days": 3,
+              "meta": {"k": [1, {"x": None}]}, "note": "12 o'clock, <b>"}),
+    ("add", {"a": 12, "b": 7}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("template,parser", [(QWEN_TEMPLATE, "qwen3_coder"),
+                                             (NEMOTRON_TEMPLATE, "nemotron_json")])  # fmt: skip
+def test_calls_the_chat_template_renders_parse_back_to_the_same_calls(template, parser, tmp_path):
+    """An assistant turn with tool calls, rendered by a template modeled on the family's
+    published one and tokenized by a byte-level BPE with its tags as added tokens, decoded as
+    the server decodes an output, reads back to the same calls in the format the server detects
+    from that template."""
+    from tokenizers import Tokenizer
+
+    from jaxmamba.chat import render_chat
+    from jaxmamba.serve.protocol import ChatMessage
+
+    assert detect_tool_call_parser(template) == parser
+    write_chat_tokenizer(tmp_path, template)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    calls = [{"id": f"call_{i}", "type": "function",
+              "function": {"name": name, "arguments": json.dumps(arguments)}}
+             for i, (name, arguments) in enumerate(ROUND_TRIP_CALLS)]  # fmt: skip
+    messages = [*USER, {"role": "assistant", "content": "Sure.", "tool_calls": calls}]
+    prompt = render_chat(None, [ChatMessage.model_validate(m).for_template() for m in messages],
+                         chat_template=template, tools=ROUND_TRIP_TOOLS,
+                         add_generation_prompt=False)  # fmt: skip
+    head = "<|im_start|>assistant\n"
+    turn = prompt[prompt.rindex(head) + len(head) :].split("<|im_end|>")[0]
+    # The server shows special tokens exactly where the format's tags are special ones.
+    specials = any(tok.token_to_id(tag) in special_ids(tok) for tag in tool_call_tags(parser))
+    output = tok.decode(tok.encode(turn, add_special_tokens=False).ids,
+                        skip_special_tokens=not specials)  # fmt: skip
+    assert output == turn
+    functions = [t["function"] for t in ROUND_TRIP_TOOLS]
+    content, parsed = parse_tool_calls(TOOL_CALL_PARSERS[parser](functions), output)
+    assert content == "Sure."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == ROUND_TRIP_CALLS
+    for seed in range(4):
+        new_parser = functools.partial(TOOL_CALL_PARSERS[parser], functions)
+        assert calls_of(parse_in_pieces(new_parser, output, seed)) == (content, ROUND_TRIP_CALLS)
+
+
+def special_ids(tok) -> set[int]:
+    return {i for i, t in tok.get_added_tokens_decoder().items() if t.special}

@@ -196,6 +196,21 @@ def test_n_samples_each_follow_their_grammar(llm):
     assert all(re.fullmatch(REGEX, c.text) for c in outs[1].outputs), outs[1].outputs
 
 
+def test_a_constraint_with_a_reasoning_end_starts_after_it(llm):
+    """The grammar starts after `reasoning_end_ids` (here "#", which the biased model writes
+    soon); what comes before is free, and rows in their free part still run the constrained
+    programs (an all-allowing mask)."""
+    bias = {ord("#"): 3.0, llm.tokenizer.eos_token_id: -100.0}
+    constraint = StructuredOutputsParams(regex=REGEX, reasoning_end_ids=(ord("#"),))
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=7, logit_bias=bias,
+                            structured_outputs=constraint, n=3)  # fmt: skip
+    [out] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    for c in out.outputs:
+        thought, end, answer = c.text.partition("#")
+        assert end and c.finish_reason == "stop", c
+        assert re.fullmatch(REGEX, answer), c.text
+
+
 def test_max_tokens_cut_says_length(llm):
     out = llm.generate(["abc"], constrained(regex="[a-z]{40}", max_tokens=5), use_tqdm=False)
     c = out[0].outputs[0]
@@ -274,7 +289,8 @@ def test_wrong_types_and_unsupported_runners_are_refused(llm, monkeypatch):
     with pytest.raises(TypeError, match="choice"):
         StructuredOutputsParams(choice="red")
     monkeypatch.setattr(llm.runner, "structured_outputs", False)
-    with pytest.raises(ValueError, match="constrained sampler programs"):
+    refusal = "constrained sampler programs.*an exported artifact holds none"
+    with pytest.raises(ValueError, match=refusal):
         llm.generate(["x"], constrained(choice=CHOICES), use_tqdm=False)
     assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
 

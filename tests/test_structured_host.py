@@ -4,8 +4,6 @@ references (a JSON-schema validator, `re.fullmatch`, the choice list, Python's p
 constraints; the compile cache; padding ids, stop ids, rollback and the bitmask layout."""
 
 import ast
-import datetime
-import ipaddress
 import json
 import random
 import re
@@ -25,6 +23,8 @@ from jaxmamba.structured import (
     validate,
 )
 from jaxmamba.tokenizer import ByteTokenizer
+
+from schema_helpers import FORMATS, assert_valid
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 # ids past the tokenizer's: a model vocabulary padded, not to a multiple of 32
@@ -151,83 +151,6 @@ class Walker:
         return done
 
 
-# ---------------------------------------------------------------------------------------------
-# A small JSON-schema validator for the features the random schemas use (the independent
-# reference; jsonschema_rs checks too where it is installed).
-
-
-def _is_date(s: str) -> bool:
-    try:
-        return bool(re.fullmatch(r"\d{4}-\d{2}-\d{2}", s)) and bool(datetime.date.fromisoformat(s))
-    except ValueError:
-        return False
-
-
-def _is_uuid(s: str) -> bool:
-    return bool(re.fullmatch(r"[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}", s))
-
-
-def _is_ipv4(s: str) -> bool:
-    try:
-        ipaddress.IPv4Address(s)  # refuses leading zeros, as JSON Schema's ipv4 does
-        return True
-    except ValueError:
-        return False
-
-
-_FORMATS = {"date": _is_date, "uuid": _is_uuid, "ipv4": _is_ipv4}
-_TYPES = {"string": str, "boolean": bool, "object": dict, "array": list}
-
-
-def conforms(doc, schema, root) -> bool:
-    if "$ref" in schema:
-        return conforms(doc, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root)
-    if "anyOf" in schema:
-        return any(conforms(doc, s, root) for s in schema["anyOf"])
-    if "enum" in schema:
-        return any(doc == v and type(doc) is type(v) for v in schema["enum"])
-    t = schema["type"]
-    if t == "integer":
-        ok = isinstance(doc, int) and not isinstance(doc, bool)
-    elif t == "number":
-        ok = isinstance(doc, int | float) and not isinstance(doc, bool)
-    else:
-        ok = isinstance(doc, _TYPES[t])
-    if not ok:
-        return False
-    if t in ("integer", "number"):
-        return schema.get("minimum", -np.inf) <= doc <= schema.get("maximum", np.inf)
-    if t == "string":
-        if not schema.get("minLength", 0) <= len(doc) <= schema.get("maxLength", 10**9):
-            return False
-        if "pattern" in schema and not re.search(schema["pattern"], doc):
-            return False
-        return "format" not in schema or _FORMATS[schema["format"]](doc)
-    if t == "array":
-        if not schema.get("minItems", 0) <= len(doc) <= schema.get("maxItems", 10**9):
-            return False
-        return all(conforms(x, schema["items"], root) for x in doc)
-    if t == "object":
-        props = schema["properties"]
-        if not set(schema["required"]) <= set(doc):
-            return False
-        if schema.get("additionalProperties") is False and not set(doc) <= set(props):
-            return False
-        return all(conforms(v, props[k], root) for k, v in doc.items() if k in props)
-    return True
-
-
-def assert_valid(text: str, schema: dict) -> None:
-    doc = json.loads(text)
-    assert conforms(doc, schema, schema), f"{text!r} does not conform to {schema}"
-    try:
-        import jsonschema_rs
-    except ImportError:
-        return
-    v = jsonschema_rs.validator_for(schema, validate_formats=True)
-    assert v.is_valid(doc), f"{text!r}: {[str(e) for e in v.iter_errors(doc)][:2]}"
-
-
 def random_schema(rng: random.Random, defs: dict, depth: int = 0) -> dict:
     kinds = ["string", "integer", "number", "boolean", "enum", "pattern", "format"]
     if depth < 3:
@@ -248,7 +171,7 @@ def random_schema(rng: random.Random, defs: dict, depth: int = 0) -> dict:
                               r"^[A-F0-9]{4}( [A-F0-9]{4})?$"])  # fmt: skip
         return {"type": "string", "pattern": pattern}
     if kind == "format":
-        return {"type": "string", "format": rng.choice(sorted(_FORMATS))}
+        return {"type": "string", "format": rng.choice(sorted(FORMATS))}
     if kind == "array":
         lo = rng.randint(0, 2)
         return {"type": "array", "items": random_schema(rng, defs, depth + 1), "minItems": lo,
@@ -725,3 +648,56 @@ def test_apply_bitmask_ref_matches_a_loop():
                 assert got[b, t] == (logits[b, t] if allowed else -np.inf)
     with pytest.raises(ValueError, match="int32"):
         apply_bitmask_ref(logits, bitmask[:, :-1])
+
+
+def test_a_grammar_with_a_reasoning_end_starts_after_it(compiler, tokenizer):
+    """Before `reasoning_end_ids` every token is allowed and none reaches the grammar; after
+    them the grammar holds; rollback and draft validation cross that point either way."""
+    ids = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    end = (*ids("!"), *ids("?"))
+    compiled = compiler.compile(StructuredOutputsParams(choice=["yes"], reasoning_end_ids=end))
+    m = GrammarMatcher(compiled)
+    out = np.zeros((2, compiler.vocab.words), np.int32)
+    thought = [*ids("no! yes"), *end]
+    for t in thought:
+        m.fill_bitmask(out, 1)
+        assert (out[1] == -1).all() and not m.must_stop() and m.error is None
+        assert m.accept_token(t)
+    m.fill_bitmask(out, 1)
+    allowed = unpack_bitmask(out[1], compiler.vocab.vocab_size)
+    assert allowed[ids("yes")[0]] and not allowed[ids("no")[0]] and not allowed[0]
+    answer = [*ids("yes"), 0]
+    assert m.validate_tokens(answer) == len(answer)
+    m.rollback(1)  # the end's last token: reasoning again
+    m.fill_bitmask(out, 1)
+    assert (out[1] == -1).all()
+    assert m.validate_tokens([end[-1], *answer]) == 1 + len(answer)
+    assert m.validate_tokens([*ids("x"), 0, 5]) == 2  # a stop ends the reasoning's output
+    for t in [end[-1], *answer]:
+        assert m.accept_token(t)
+    assert m.is_terminated() and m.num_tokens == len(thought) + len(answer)
+    m.rollback(len(answer) + 2)
+    assert m.accept_token(0) and m.is_terminated() and m.must_stop()  # stopped while reasoning
+    assert not m.accept_token(ids("y")[0])
+
+
+def test_added_tokens_that_are_text_are_allowed_and_accepted_as_text(tokenizer):
+    """Qwen's `<tool_call>` and `<think>` are added tokens that are not special, so text to a
+    grammar. llguidance alone takes them for special tokens, yet offers one where a grammar
+    forces its text, and then refuses it (the request would end in an error); here the mask
+    offers the tag's text and the token, sampled, is accepted."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    call = tok.token_to_id("<tool_call>")
+    c = GrammarCompiler(tok, tok.get_vocab_size() + 3, eos_ids=[0])
+    try:
+        m = GrammarMatcher(c.compile(StructuredOutputsParams(regex=r"<tool_call>[0-9]")))
+        out = np.zeros((1, c.vocab.words), np.int32)
+        m.fill_bitmask(out)
+        for t in np.flatnonzero(unpack_bitmask(out[0], c.vocab.vocab_size)):
+            assert m.validate_tokens([int(t)]) == 1, t
+        assert m.accept_token(call) and m.validate_tokens([*tok.encode("7").ids, 0]) == 2
+    finally:
+        c.close()

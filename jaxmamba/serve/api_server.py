@@ -4,7 +4,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events 
 `"stream": true`), `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`.
 Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) become the
 request's `StructuredOutputsParams` (`constraints`); chat's `tools` are rendered by the chat
-template and its tool calls read from the output (`tool_parsers`), docs/structured_outputs.md.
+template and its tool calls read from the output (`tool_parsers`), after the reasoning of a
+thinking model (`reasoning_parsers`, vLLM's `--reasoning-parser`), docs/structured_outputs.md.
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a 4xx status for
 the client's mistakes, and 500 (`"type": "InternalServerError"`, `"code": 500`, as vLLM sends
 it) for the engine's: a request whose step failed gets that, or on a stream an error event
@@ -48,6 +49,11 @@ from jaxmamba.serve.protocol import (
     ErrorResponse,
     NamedToolChoice,
 )
+from jaxmamba.serve.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    split_reasoning,
+)
 from jaxmamba.serve.tool_parsers import (
     TOOL_CALL_PARSERS,
     NamedToolCall,
@@ -87,6 +93,9 @@ class ServerConfig:
     # format (None: the one the chat template teaches); vLLM's --enable-auto-tool-choice.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Chat completions split a thinking model's <think>...</think> off into
+    # `reasoning_content`, and constrained outputs start after it (vLLM's --reasoning-parser).
+    reasoning_parser: str | None = None
 
 
 def internal_error(message: str) -> ApiError:
@@ -322,6 +331,7 @@ class OpenAIServer:
         self.generations: set[_Generation] = set()  # the open requests; event loop only
         self.created = int(time.time())
         self.tool_call_parser = self._tool_call_parser()
+        self.reasoning_parser = self._reasoning_parser()
         self.app = self._build_app()
 
     def _tool_call_parser(self) -> str | None:
@@ -343,11 +353,34 @@ class OpenAIServer:
                 "tool_call_parser (--tool-call-parser)"
             )
         # Where the tags are special tokens, the text keeps them only with specials shown.
-        self.tool_tags_are_special = name is not None and self.tokenizer is not None and any(
-            tag not in self.tokenizer.decode(self.tokenizer.encode(tag, add_special_tokens=False))
-            for tag in tool_call_tags(name)
-        )  # fmt: skip
+        self.tool_tags_are_special = (
+            name is not None and self.tokenizer is not None and self._special(tool_call_tags(name))
+        )
         return name
+
+    def _reasoning_parser(self) -> type[ReasoningParser] | None:
+        """The configured reasoning parser's class (None: no reasoning is split off), and the
+        token ids that end the reasoning (where a constraint starts)."""
+        name = self.config.reasoning_parser
+        if name is None:
+            return None
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got "
+                             f"{name!r}")  # fmt: skip
+        if self.tokenizer is None:
+            raise ValueError("reasoning_parser: this model has no tokenizer, so no chat template")
+        parser = REASONING_PARSERS[name]
+        self.reasoning_end_ids = tuple(self.tokenizer.encode(parser.END, add_special_tokens=False))
+        self.reasoning_tags_are_special = self._special((parser.START, parser.END))
+        return parser
+
+    def _special(self, tags) -> bool:
+        """Whether some of `tags` are special tokens (gone from the text unless specials are
+        shown)."""
+        return any(
+            tag not in self.tokenizer.decode(self.tokenizer.encode(tag, add_special_tokens=False))
+            for tag in tags
+        )
 
     # -- back-pressure ------------------------------------------------------------------------
     def take_seats(self, n: int) -> None:
@@ -407,14 +440,17 @@ class OpenAIServer:
             raise ApiError(400, "prompt_logprobs are not available with stream: true",
                            param="prompt_logprobs")  # fmt: skip
 
-    async def output_constraint(self, req, tool_choice="none"):
-        """The request's `StructuredOutputsParams` (None if its output is free), compiled by
-        the engine (once per constraint: it caches them), so that one it cannot enforce is a
-        400 before the request starts."""
+    async def output_constraint(self, req, tool_choice="none", after: tuple[int, ...] = ()):
+        """The request's `StructuredOutputsParams` (None if its output is free), starting after
+        the tokens `after` (the end of the reasoning), compiled by the engine (once per
+        constraint: it caches them), so that one it cannot enforce is a 400 before the request
+        starts."""
         found = output_constraint(req, tool_choice)
         if found is None:
             return None
         param, constraint = found
+        if after:
+            constraint = dataclasses.replace(constraint, reasoning_end_ids=after)
         try:
             call = self.loop.call(lambda engine: engine.compile_grammar(constraint))
         except RuntimeError as err:  # the engine loop is shutting down
@@ -752,6 +788,8 @@ class OpenAIServer:
                            f"{type(err).__name__}: {err}", param="messages") from None  # fmt: skip
         # The template writes the special tokens itself (as in LLM.chat).
         ids = self.encode(text, "messages", add_special_tokens=False)
+        # A constraint starts after the reasoning: `after`, the tokens that end it.
+        new_reasoner, after = self._reasoning_parser_for(req, text, template, template_kwargs)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
@@ -762,9 +800,11 @@ class OpenAIServer:
         if logprobs is not None and not 0 <= logprobs <= 20:
             raise ApiError(400, f"top_logprobs must be an int in [0, 20], got {logprobs}",
                            param="top_logprobs")  # fmt: skip
-        if tool_choice == "auto" and self.tool_tags_are_special:
+        if (tool_choice == "auto" and self.tool_tags_are_special) or (
+            new_reasoner is not None and self.reasoning_tags_are_special
+        ):
             req = req.model_copy(update={"skip_special_tokens": False})
-        constraint = await self.output_constraint(req, tool_choice)
+        constraint = await self.output_constraint(req, tool_choice, after)
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                       prompt_logprobs=req.prompt_logprobs,
                                       structured_outputs=constraint)  # fmt: skip
@@ -775,16 +815,22 @@ class OpenAIServer:
             head["object"] = "chat.completion.chunk"
             # vLLM sends the prompt's token ids with the opening (role) chunks.
             opening_fields = {"prompt_token_ids": ids} if req.return_token_ids else None
-            chunks = self._chat_chunks(req, logprobs, new_parser, tool_choice)
+            chunks = self._chat_chunks(req, logprobs, new_parser, tool_choice, new_reasoner)
             return self._stream(gen, head, req, *chunks, opening_fields=opening_fields)
         await gen.run()
         choices = []
         for i, seq in enumerate(gen.seqs[0]):
             message = {"role": "assistant", "content": seq.text}
+            if new_reasoner is not None:  # vLLM's: the calls are read from the content only
+                reasoning, message["content"] = split_reasoning(new_reasoner(), seq.text)
+                reasoning = reasoning if req.include_reasoning else None
+                message.update(reasoning=reasoning, reasoning_content=reasoning)
             finish_reason = seq.finish_reason
             if new_parser is not None:
                 parser = new_parser()
-                message["content"], calls = parse_tool_calls(parser, seq.text)
+                message["content"], calls = parse_tool_calls(parser, message["content"] or "")
+                if new_reasoner is not None and not message["content"]:
+                    message["content"] = None
                 if calls:
                     message["tool_calls"] = [call.to_json() for call in calls]
                 finish_reason = _finish_reason(seq.finish_reason, parser, tool_choice)
@@ -820,6 +866,31 @@ class OpenAIServer:
             })  # fmt: skip
         return {"content": content}
 
+    def _reasoning_parser_for(self, req, prompt: str, template, template_kwargs: dict):
+        """A new reasoning parser per choice (a factory; None without one) and the token ids
+        after which a constraint starts (none when the output starts past the reasoning). The
+        output starts inside the reasoning unless the generation prompt (what the template adds
+        for the assistant's turn) closed it, or the request turned thinking off where the
+        parser honours that."""
+        if self.reasoning_parser is None:
+            return None, ()
+        from jaxmamba.chat import render_chat
+
+        generation_prompt = prompt  # the whole prompt where the turns are not its start
+        if req.add_generation_prompt:
+            try:
+                turns = render_chat(self.tokenizer, [m.for_template() for m in req.messages],
+                                    chat_template=template, add_generation_prompt=False,
+                                    **template_kwargs)  # fmt: skip
+            except Exception:  # the template insists on a generation prompt
+                turns = None
+            if turns is not None and prompt.startswith(turns):
+                generation_prompt = prompt[len(turns) :]
+        in_reasoning = self.reasoning_parser.starts_in_reasoning(generation_prompt,
+                                                                 template_kwargs)  # fmt: skip
+        after = self.reasoning_end_ids if in_reasoning else ()
+        return functools.partial(self.reasoning_parser, in_reasoning=in_reasoning), after
+
     def _tool_call_parser_for(self, tool_choice, tools):
         """A new parser per choice for this request's tool calls (a factory), or None when
         the output is not read for calls."""
@@ -844,26 +915,38 @@ class OpenAIServer:
         functions = [t.function.model_dump(exclude_none=True) for t in tools]
         return functools.partial(TOOL_CALL_PARSERS[self.tool_call_parser], functions)
 
-    def _chat_chunks(self, req, logprobs: int | None, new_parser=None, tool_choice="none"):
+    def _chat_chunks(self, req, logprobs: int | None, new_parser=None, tool_choice="none",
+                     new_reasoner=None):  # fmt: skip
         """The opening choices (the assistant's role) and the choices of one delta, for a
-        streamed chat completion. With a tool-call parser (one per choice), a delta's content
-        comes first, then each piece of a call in a chunk of its own, OpenAI's
+        streamed chat completion. With a reasoning parser, a delta's reasoning comes first, in
+        `delta.reasoning_content` (and `delta.reasoning`); with a tool-call parser (one per
+        choice), its content, then each piece of a call in a chunk of its own, OpenAI's
         `delta.tool_calls`; the last chunk of a delta carries its finish_reason."""
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(req.n)]  # fmt: skip
         parsers: dict[int, ToolCallParser] = {}
+        reasoners: dict[int, ReasoningParser] = {}
 
         def deltas(c) -> tuple[list[dict], str | None]:
-            text = c.text or ""
+            text, head = c.text or "", []
+            if new_reasoner is not None:
+                reasoner = reasoners.setdefault(c.index, new_reasoner())
+                reasoning, text = reasoner.feed(text)
+                if c.finish_reason is not None:
+                    more, rest = reasoner.finish()
+                    reasoning, text = reasoning + more, text + rest
+                if reasoning and req.include_reasoning:
+                    head = [{"reasoning": reasoning, "reasoning_content": reasoning}]
             if new_parser is None:
-                return [{"content": text}], c.finish_reason
+                return head + ([{"content": text}] if text or not head else []), c.finish_reason
             parser = parsers.setdefault(c.index, new_parser())
             content, calls = parser.feed(text)
             if c.finish_reason is not None:
                 rest, more = parser.finish()
                 content, calls = content + rest, calls + more
             finish_reason = _finish_reason(c.finish_reason, parser, tool_choice)
-            return _tool_deltas(content, calls), finish_reason
+            pieces = _tool_deltas(content, calls)
+            return head + (pieces if pieces != [{"content": ""}] or not head else []), finish_reason
 
         def choices(_p: int, out: RequestOutput):
             for c in out.outputs:

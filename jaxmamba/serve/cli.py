@@ -15,6 +15,7 @@ from jaxmamba.cli_args import (
     llm_from_args,
 )
 from jaxmamba.engine.config import RunConfig
+from jaxmamba.serve.reasoning_parsers import REASONING_PARSERS
 from jaxmamba.serve.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -47,6 +48,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
                    help="the tool-call format the model writes (default: the one its chat "
                    "template teaches; docs/structured_outputs.md)")  # fmt: skip
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   help="a thinking model's <think>...</think> goes to the chat completion's "
+                   "reasoning_content, and constrained outputs start after it (vLLM's flag; "
+                   "docs/structured_outputs.md)")  # fmt: skip
     p.add_argument(
         "--max-queued-requests",
         "--max-waiting-requests",
@@ -97,6 +102,7 @@ def cmd_serve(args) -> int:
         chat_template=template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return run_server(llm, config, host=args.host, port=args.port, grace_s=args.shutdown_grace_s,
                       log_level=args.log_level)  # fmt: skip

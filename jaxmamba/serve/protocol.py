@@ -182,6 +182,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = Field(
+        True, description="with the server's --reasoning-parser: return the reasoning (vLLM)"
+    )
     tools: list[Tool] | None = None
     # None: "auto" when there are tools, else "none" (OpenAI's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

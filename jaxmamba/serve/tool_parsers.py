@@ -151,7 +151,7 @@ class _TaggedParser(ToolCallParser):
                 continue
             # Hold back what may be the start of a tag, and trailing whitespace (which a call
             # would drop).
-            cut = len(self._buf) - _partial_suffix(self._buf, self.START)
+            cut = len(self._buf) - partial_suffix(self._buf, self.START)
             kept = self._buf[:cut].rstrip()
             content.append(kept)
             self._just_called = self._just_called and not kept
@@ -182,7 +182,7 @@ class _TaggedParser(ToolCallParser):
         self._gap = ""
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (shorter than the tag)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):

@@ -59,7 +59,7 @@ class GrammarVocab:
         if isinstance(tokenizer, ByteTokenizer):
             source = llguidance.TokenizerWrapper(_ByteTokens(tokenizer, vocab_size))
         else:
-            source = _tokenizer_json(tokenizer)
+            source = _added_tokens_as_text(_tokenizer_json(tokenizer))
         try:
             ll = llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=list(eos_ids))
         except Exception as e:  # llguidance raises ValueError, or a bare Exception from Rust
@@ -105,6 +105,45 @@ def _tokenizer_json(tokenizer) -> str:
     )
 
 
+def _added_tokens_as_text(source: str) -> str:
+    """tokenizer.json text whose added tokens that are not special (Qwen's `<think>` and
+    `<tool_call>`: decoding keeps them) are ordinary vocabulary entries. llguidance takes every
+    added token for a special one (its bytes are not text to the grammar), yet offers it where
+    a grammar forces its text, and then refuses it: a request constrained to write the tag
+    would end in an error."""
+    spec = json.loads(source)
+    model = spec.get("model") or {}
+    added = [t for t in spec.get("added_tokens") or () if not t.get("special", True)]
+    if not added or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return source
+    if "ByteLevel" in json.dumps(spec.get("decoder")):
+        chars = _byte_level_chars()
+        spell = lambda text: "".join(chars[b] for b in text.encode("utf-8"))  # noqa: E731
+    elif model.get("byte_fallback"):  # SentencePiece: spaces are "▁"
+        spell = lambda text: text.replace(" ", "\u2581")  # noqa: E731
+    else:
+        return source
+    vocab = model["vocab"]
+    for token in added:
+        if spell(token["content"]) not in vocab:
+            vocab[spell(token["content"])] = token["id"]
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t not in added]
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte-level map: the character the ByteLevel pre-tokenizer writes for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
 def _tokenizer_size(tokenizer, source) -> int:
     if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
         return tokenizer.get_vocab_size(with_added_tokens=True)
@@ -118,7 +157,7 @@ def _tokenizer_size(tokenizer, source) -> int:
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of `params` (no tokenizer needed). Raises ValueError for a
     grammar llguidance cannot parse."""
-    kind, text, (no_whitespace, no_additional, whitespace_pattern) = params.key
+    kind, text, (no_whitespace, no_additional, whitespace_pattern, _) = params.key
     if kind in ("json", "json_object"):
         options = {"whitespace_flexible": not no_whitespace}
         if whitespace_pattern is not None:
@@ -155,6 +194,7 @@ class CompiledGrammar:
     def __init__(self, params: StructuredOutputsParams, vocab: GrammarVocab):
         self.key = params.key
         self.vocab = vocab
+        self.reasoning_end_ids = params.reasoning_end_ids
         self.grammar = grammar_text(params)
         self._template = llguidance.LLMatcher(
             vocab.tokenizer, self.grammar, log_level=0, limits=_LIMITS

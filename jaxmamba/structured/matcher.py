@@ -5,6 +5,11 @@ Stop tokens: the vocabulary's eos ids and the request's stop ids are allowed exa
 grammar may end, and nowhere else (a stop id that is also ordinary text would otherwise end the
 output mid-grammar). Accepting one terminates the matcher; a terminated matcher allows only the
 stop tokens. Padding ids (past the tokenizer's vocabulary) are never allowed.
+
+Reasoning: a grammar compiled with `reasoning_end_ids` starts just after the output writes
+them (a reasoning model's end-of-thinking tag). Until then every token is allowed and none
+reaches the grammar, and a stop token ends the output there (vLLM's structured outputs with
+a reasoning parser, `enable_in_reasoning` off).
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ class GrammarMatcher:
             set_bits(keep, np.arange(first * 32, vocab.tokenizer_size) - first * 32, True)
             self._pad = (slice(first, vocab.words), keep)
         self._terminated = False
+        # The reasoning tokens, before the grammar started (None: it starts at once).
+        self._end = compiled.reasoning_end_ids
+        self._reasoning: list[int] | None = [] if self._end else None
+        self._started = not self._end
+        self._grammar_tokens = 0  # consumed by llguidance, a recorded stop token excluded
         # llguidance records an eos it consumes, except once the grammar has stopped (nothing
         # but eos may follow): then the stop token is ours alone, and rollback must know.
         self._stop_recorded = False
@@ -60,6 +70,14 @@ class GrammarMatcher:
         not. A stop token is allowed where the grammar may end, and terminates the matcher."""
         if self._terminated:
             return False
+        if not self._started:
+            if token_id in self._stop_set:
+                self._terminated, self._stop_recorded = True, False
+            else:
+                self._reasoning.append(token_id)
+                self._started = tuple(self._reasoning[-len(self._end) :]) == self._end
+            self.num_tokens += 1
+            return True
         if token_id in self._stop_set:
             if self._m.is_error():
                 return False
@@ -72,6 +90,8 @@ class GrammarMatcher:
             self._terminated = True
         elif self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
             return False
+        else:
+            self._grammar_tokens += 1
         self.num_tokens += 1
         return True
 
@@ -81,6 +101,20 @@ class GrammarMatcher:
         if self._terminated:
             return 0
         ids = [int(t) for t in token_ids]
+        if self._started:
+            return self._validate_grammar(ids)
+        window, n = self._reasoning[-len(self._end) :], len(self._end)
+        for i, t in enumerate(ids):
+            if t in self._stop_set:
+                return i + 1
+            window = [*window[1 - n :], t] if n > 1 else [t]
+            if tuple(window) == self._end:
+                return i + 1 + self._validate_grammar(ids[i + 1 :])
+        return len(ids)
+
+    def _validate_grammar(self, ids: list[int]) -> int:
+        if not ids:
+            return 0
         cut = next((i for i, t in enumerate(ids) if t in self._stop_set), len(ids))
         n = self._m.validate_tokens(ids[:cut]) if cut else 0
         if n < cut or cut == len(ids):
@@ -102,7 +136,7 @@ class GrammarMatcher:
         """Why the grammar cannot go on (a schema that recurses without end, a parser limit
         hit), or None. Its bitmask row then allows nothing: the engine must end the request
         with this error rather than sample the row."""
-        if not self._m.is_error():
+        if not self._started or not self._m.is_error():
             return None
         why = error_text(self._m.get_error())
         return f"the grammar cannot go on after {self.num_tokens} tokens ({why})"
@@ -111,18 +145,25 @@ class GrammarMatcher:
         """Whether only a stop token may come next (the grammar is complete and cannot go on),
         or one came already: the engine may finish the request now rather than sample the
         stop token, and must not mask the stop ids for min_tokens."""
-        return self._terminated or (self._m.is_stopped() and not self._m.is_error())
+        return self._terminated or (
+            self._started and self._m.is_stopped() and not self._m.is_error()
+        )
 
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` accepted tokens (a rejected draft's)."""
         if not 0 <= num_tokens <= self.num_tokens:
             raise ValueError(f"can roll back 0..{self.num_tokens} tokens, got {num_tokens}")
-        if num_tokens == 0:
-            return
-        inner = num_tokens
-        if self._terminated:
-            inner -= 0 if self._stop_recorded else 1
-            self._terminated = False
+        inner = 0  # llguidance's tokens to undo
+        for _ in range(num_tokens):
+            if self._terminated:
+                self._terminated = False
+                inner += self._stop_recorded
+            elif self._grammar_tokens:
+                self._grammar_tokens -= 1
+                inner += 1
+            else:  # a reasoning token (the grammar had not started before it)
+                self._started = False
+                self._reasoning.pop()
         if inner and not self._m.rollback(inner):
             raise RuntimeError(f"llguidance could not roll back: {self._m.get_error()}")
         self.num_tokens -= num_tokens
@@ -162,6 +203,8 @@ def fill_bitmasks(
         if m._terminated:
             out[row] = 0
             set_bits(out[row], m.stop_ids, True)
+        elif not m._started:
+            out[row] = -1  # reasoning: unconstrained
         else:
             live.append((m, row))
     nbytes = vocab.words * 4

@@ -7,6 +7,10 @@ Lark), `json_object=True` (any JSON object) or `structural_tag`. The options sha
 (objects that do not say otherwise get `additionalProperties: false`), `whitespace_pattern`
 (a regex for the whitespace allowed). Whether a schema, regex or grammar is one the engine
 can enforce is checked when it is compiled (`jaxmamba.structured.grammar`).
+
+`reasoning_end_ids` is jaxmamba's, not a vLLM request field: the constraint starts after the
+output writes these tokens (a reasoning model's end-of-thinking tag; the server's
+`--reasoning-parser` sets it, as vLLM's structured outputs start where the reasoning ends).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    # The constraint applies from just after these tokens (empty: from the first token).
+    reasoning_end_ids: Sequence[int] = ()
     # (kind, canonical text, options): what the compiled grammar is cached by.
     _key: tuple = field(init=False, repr=False, compare=False)
 
@@ -57,11 +63,20 @@ class StructuredOutputsParams:
                     "whitespace_pattern and disable_any_whitespace=True contradict each other; "
                     "set one"
                 )
+        ids = self.reasoning_end_ids
+        if (
+            isinstance(ids, str | bytes)
+            or not isinstance(ids, Sequence)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise TypeError(f"reasoning_end_ids must be a list of token ids, got {ids!r}")
+        object.__setattr__(self, "reasoning_end_ids", tuple(ids))
         text = getattr(self, f"_{kind}_text")()
         options = (
             self.disable_any_whitespace,
             self.disable_additional_properties,
             self.whitespace_pattern,
+            self.reasoning_end_ids,
         )
         object.__setattr__(self, "_key", (kind, text, options))
 
