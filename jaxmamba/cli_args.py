@@ -62,8 +62,11 @@ def add_setting_args(
         help_text = f.metadata["help"].replace("%", "%%")
         if f.default is not None:
             help_text += " (default: %(default)s)"
-        kind = _base_type(hints[f.name])
         kwargs = dict(default=f.default, help=help_text)
+        if "parse" in f.metadata:  # a setting read from its own text (JSON)
+            group.add_argument(flag_name(f.name), type=f.metadata["parse"], **kwargs)
+            continue
+        kind = _base_type(hints[f.name])
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

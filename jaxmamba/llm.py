@@ -47,27 +47,20 @@ def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_para
                      quantization: str | None = None):  # fmt: skip
     """`load_params` (quantized as `quantization` says); for a sharded model into host memory
     first (the runner splits it onto the mesh), so the whole model never has to fit one
-    device. Quantized weights run on one device only: the sharding rules have no axes for
-    their scales."""
+    device."""
     if tensor_parallel_size == 1:
         return load_params(model, cfg, dtype, seed, quantization)
     import jax
 
-    from jaxmamba.model.weights import checkpoint_quantization
     from jaxmamba.parallel.plan import TensorParallelPlan
 
     TensorParallelPlan(cfg, tensor_parallel_size)  # refuse an impossible split before loading
-    if quantization is not None or checkpoint_quantization(model) is not None:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} with quantized weights (quantization="
-            f"{quantization!r}, or an FP8 checkpoint) is not implemented: serve it on one device"
-        )
     try:
         host = jax.local_devices(backend="cpu")[0]  # this process's: several hosts each load
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS names only accelerators)
-        return load_params(model, cfg, dtype, seed)
+        return load_params(model, cfg, dtype, seed, quantization)
     with jax.default_device(host):
-        return load_params(model, cfg, dtype, seed)
+        return load_params(model, cfg, dtype, seed, quantization)
 
 
 class LLM:
@@ -94,7 +87,17 @@ class LLM:
         from jaxmamba.export.artifact import is_artifact
 
         tensor_parallel_size = engine_cfg.tensor_parallel_size
+        if engine_cfg.speculative_config is not None and tensor_parallel_size != 1:
+            raise ValueError(
+                f"speculative_config with tensor_parallel_size={tensor_parallel_size} is not "
+                "implemented yet: speculative decoding runs on one device"
+            )
         if is_artifact(model):  # a `jaxmamba export` directory: runs without the model code
+            if engine_cfg.speculative_config is not None:
+                raise ValueError(
+                    f"speculative_config: exported artifacts hold no verify programs yet; serve "
+                    f"the model itself (not {model}) to speculate"
+                )
             if tensor_parallel_size != 1:
                 raise ValueError(
                     f"tensor_parallel_size={tensor_parallel_size}: exported artifacts hold "
@@ -142,6 +145,7 @@ class LLM:
         self.runner = ModelRunner(
             self.model_cfg, params, spec, dtype=self.dtype, impl=run.impl,
             tensor_parallel_size=tensor_parallel_size,
+            speculative=ngram_spec(self.engine_cfg),
         )  # fmt: skip
         if tensor_parallel_size > 1:  # several processes: process 0 sends every step
             from jaxmamba.parallel.multihost import leader
@@ -478,8 +482,10 @@ def _program_needs(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, imp
     sized = dataclasses.replace(cfg, num_state_slots=state_slots, num_pages=pages)
     spec = CacheSpec(state_slots, pages, cfg.page_size, cfg.ssm_dtype, cfg.kv_cache_dtype)
     runner = ModelRunner(model_cfg, params, spec, dtype=dtype, impl=impl,
-                         tensor_parallel_size=cfg.tensor_parallel_size, allocate=False)  # fmt: skip
-    builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size)
+                         tensor_parallel_size=cfg.tensor_parallel_size, allocate=False,
+                         speculative=ngram_spec(cfg))  # fmt: skip
+    builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size,
+                          speculative=cfg.speculative_config is not None)  # fmt: skip
     buckets = Scheduler(model_cfg, sized).all_buckets()
     return runner.compile_programs(buckets, builder.padding, compile_progress("compiling steps"))
 
@@ -545,16 +551,27 @@ def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params,
     decode = [b for b in buckets if b.num_decode == b.num_rows]
     prefill = [b for b in buckets if b.num_decode < b.num_rows]
     largest = [max(g, key=lambda b: (b.num_tokens, b.num_rows)) for g in (decode, prefill) if g]
-    builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size)
+    builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size,
+                          speculative=cfg.speculative_config is not None)  # fmt: skip
 
     def temporaries(b):
         return step_temporary_bytes(
             model_cfg, params, spec, builder.padding(b), b.num_decode, dtype=dtype, impl=impl,
-            tensor_parallel_size=cfg.tensor_parallel_size,
+            tensor_parallel_size=cfg.tensor_parallel_size, speculative=ngram_spec(cfg),
         )  # fmt: skip
 
     with ThreadPoolExecutor(len(largest)) as pool:
         return max(pool.map(temporaries, largest))
+
+
+def ngram_spec(cfg: EngineConfig):
+    """The runner's `NgramSpec` for `cfg.speculative_config` (None without speculation)."""
+    sc = cfg.speculative_config
+    if sc is None:
+        return None
+    from jaxmamba.model.speculative import NgramSpec
+
+    return NgramSpec(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
 
 
 class _Counter:

@@ -12,6 +12,10 @@ Layout of a step (all shapes static, padded to a bucket): the first ``num_decode
 belong to the decode rows (one token each), the rest to the prefill/extend rows, row after
 row; tokens past the last row's end are padding. Rows ``[0, num_decode)`` decode, the rest
 prefill; padding rows have zero tokens and point at the pad slot / pad page.
+
+A *verify* step (speculative decoding, `jaxmamba.model.speculative`) is a pure decode step
+whose rows carry ``1 + k`` tokens each (``T = B·(1 + k)``): the row's last sampled token and
+``k`` draft tokens, all taken on the device. Its shape alone says so.
 """
 
 from __future__ import annotations
@@ -142,6 +146,11 @@ FIELDS: tuple[InputField, ...] = (
     # 32 j + i (`jaxmamba.structured.bitmask`); rows without a constraint allow all (-1).
     # Sent only in steps with a constrained row, which run the sampler's constrained programs.
     InputField("token_bitmask", ("B", "VW"), "int32", -1, optional=True, on_demand=True),
+    # Speculative decoding: a decode row's length (its `prefix_lens`, and `sample_counters`
+    # shifted alike) is the device's (`SpecState.seq_lens`), since the host does not know how
+    # many drafts the step before accepted. Sent in every step of an engine that speculates
+    # (whose steps also record each slot's length and token history), never in the others.
+    InputField("lens_from_device", ("B",), "bool", False, optional=True, on_demand=True),
 )
 
 FIELD = {f.name: f for f in FIELDS}
@@ -178,14 +187,16 @@ def padding(num_tokens: int, num_rows: int, max_pages_per_seq: int, spec: CacheS
     })  # fmt: skip
 
 
-def with_on_demand_fields(inputs: StepInputs, vocab_size: int) -> StepInputs:
-    """`inputs` with the fields sent on demand that it lacks, at their fill values: a step of
-    the programs that read them (the constrained samplers) where no row uses them."""
+def with_on_demand_fields(inputs: StepInputs, vocab_size: int,
+                          names: tuple[str, ...] = ("token_bitmask",)) -> StepInputs:  # fmt: skip
+    """`inputs` with the fields sent on demand among `names` that it lacks, at their fill
+    values: a step of the programs that read them (the constrained samplers: the token
+    bitmask; a speculating engine's steps: `lens_from_device`) where no row uses them."""
     sizes = {"T": len(inputs.input_ids), "B": len(inputs.state_slots),
              "VW": bitmask_words(vocab_size)}  # fmt: skip
     return inputs._replace(**{
         f.name: np.full(tuple(sizes[d] for d in f.dims), f.fill, f.dtype)
-        for f in FIELDS if f.on_demand and getattr(inputs, f.name) is None
+        for f in FIELDS if f.on_demand and f.name in names and getattr(inputs, f.name) is None
     })  # fmt: skip
 
 

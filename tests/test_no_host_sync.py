@@ -213,3 +213,50 @@ def test_forks_and_prompt_scores_are_programs_of_their_own_run_only_when_asked(r
     for pool in runner.cache.conv:
         np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(pool[0]))
     assert np.abs(np.asarray(runner.cache.ssm[0][0])).sum() > 0  # a real state was copied
+
+
+def test_verify_steps_run_under_transfer_guard_without_recompiling():
+    """Speculative decoding: a prefill, a plain decode and verify steps (rows of 1 + k tokens)
+    of a speculating runner need no host transfer but their inputs and the one read, carry no
+    callback or device branch, and compile once per bucket and sampler."""
+    import jax.numpy as jnp
+
+    from jaxmamba.engine.batch import StepBuilder
+    from jaxmamba.engine.runner import ModelRunner
+    from jaxmamba.model.cache import CacheSpec
+    from jaxmamba.model.speculative import NgramSpec
+
+    from model_helpers import MAX_PAGES, PAGE_SIZE
+
+    cfg = config_from_preset("nemotron-h-tiny")
+    spec = CacheSpec(num_slots=8, num_pages=8 * MAX_PAGES, page_size=PAGE_SIZE)
+    k = 3
+    runner = ModelRunner(cfg, init_params(cfg, seed=0), spec, dtype=jnp.float32,
+                         speculative=NgramSpec(k, 1, 3))  # fmt: skip
+    bld = StepBuilder(spec, MAX_PAGES, cfg.vocab_size, cfg.chunk_size, speculative=True)
+    rng = np.random.default_rng(3)
+    vocab = cfg.vocab_size
+    verify = Bucket(4 * (1 + k), 4, 4)
+
+    def run(rows, bucket, **kw):
+        with jax.transfer_guard("disallow"):
+            out = runner.step(bld.build(rows, bucket), bucket.num_decode, **kw)
+            return jax.device_get(out)
+
+    run(prefill_rows(rng, [20, 7, 1, 30], vocab), Bucket(64, 4, 0))
+    run([row([0], 20, slot=0, token_from_device=True)], Bucket(4, 4, 4))
+    vrow = lambda i, **kw: row([0] * (1 + k), 20, slot=i, token_from_device=True, **kw)  # noqa: E731
+    run([vrow(0), vrow(1)], verify, top_logprobs=False, ranks=False)  # GREEDY
+    run([vrow(0), vrow(1, temperature=0.8)], verify, top_logprobs=False)  # PLAIN
+    run([vrow(0), vrow(1, temperature=0.8)], verify)  # FULL
+    warm = runner.num_compiles
+    for n in (1, 3, 4):
+        run([vrow(i, temperature=0.5 * (i % 2), seed=i) for i in range(n)], verify)
+        run([vrow(i) for i in range(n)], verify, top_logprobs=False, ranks=False)
+    assert runner.num_compiles == warm
+    inputs = bld.build([vrow(0)], verify)
+    step = functools.partial(runner._step_fn, num_decode=4, sampler=FULL)
+    names = primitive_names(jax.make_jaxpr(step)(runner.params, runner.cache, runner.slot_state,
+                                                 inputs).jaxpr)  # fmt: skip
+    assert not [n for n in names if any(f in n for f in FORBIDDEN)], names
+    assert not {"cond", "switch"} & names

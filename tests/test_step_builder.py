@@ -50,6 +50,7 @@ def reference(rows: list[RowSpec], bucket: Bucket, num_decode_rows: int) -> dict
         fork_src_pages=np.full(MAX_FORKS, pp, np.int32),
         fork_dst_pages=np.full(MAX_FORKS, pp, np.int32),
         token_bitmask=None,  # sent only with a constrained row (tests/test_structured_engine.py)
+        lens_from_device=None,  # sent only by a speculating engine (tests/test_speculative.py)
     )  # fmt: skip
     pos, f = 0, 0
     for r, row in enumerate(rows):

@@ -90,6 +90,13 @@ class Bucket:
     num_rows: int
     num_decode: int = 0
 
+    @property
+    def num_spec(self) -> int:
+        """k of a verify bucket (speculative decoding: decode rows of 1 + k tokens), else 0."""
+        if self.num_decode != self.num_rows or self.num_tokens == self.num_rows:
+            return 0
+        return self.num_tokens // self.num_rows - 1
+
 
 def pow2_buckets(limit: int, start: int = 1) -> list[int]:
     sizes, n = [], start
@@ -169,6 +176,9 @@ class StepBuilder:
     max_pages_per_seq: int
     vocab_size: int
     chunk_size: int
+    # The engine speculates: every step carries `lens_from_device` (set on the rows that take
+    # their token from the device), and a verify bucket's rows carry 1 + k tokens.
+    speculative: bool = False
     _templates: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def build(
@@ -179,9 +189,14 @@ class StepBuilder:
         A pure decode bucket pads with empty rows at the end. A mixed bucket reserves its
         first `bucket.num_decode` tokens for decode rows: when fewer than that decode
         (`num_decode_rows`), dummy one-token rows on the pad slot/page fill the gap, so the
-        prefill tokens always start at token `num_decode`.
+        prefill tokens always start at token `num_decode`. A verify bucket (`Bucket.num_spec`)
+        pads with rows of 1 + k tokens on the pad slot: every row has that many.
         """
         nd = bucket.num_decode
+        if bucket.num_spec and len(rows) < bucket.num_rows:
+            filler = RowSpec([0] * (1 + bucket.num_spec), 0, self.spec.pad_slot, [])
+            filler.init_slot = self.spec.pad_slot
+            rows = rows + [filler] * (bucket.num_rows - len(rows))
         if 0 < nd < bucket.num_rows:
             real = nd if num_decode_rows is None else num_decode_rows
             if real > nd:
@@ -198,6 +213,8 @@ class StepBuilder:
         out = self._templates.get(bucket)
         if out is None:
             out = padding(bucket.num_tokens, bucket.num_rows, self.max_pages_per_seq, self.spec)
+            if self.speculative:
+                out = with_on_demand_fields(out, self.vocab_size, ("lens_from_device",))
             self._templates[bucket] = out
         return out
 
@@ -217,6 +234,8 @@ class StepBuilder:
         x.query_start_loc[n + 1 :] = total
         for name in ROW_FIELDS:
             getattr(x, name)[:n] = cols[name]
+        if x.lens_from_device is not None:  # a decode row's length is as unknown as its token
+            x.lens_from_device[:n] = cols["tokens_from_device"]
         slots, prefix, forked = cols.slots, cols.prefix, cols.forked
         init = np.fromiter((slot if init is None else init
                             for slot, init in map(_SLOTS, rows)), np.int64, n)  # fmt: skip
@@ -277,9 +296,15 @@ class StepBuilder:
         if total > bucket.num_tokens:
             raise ValueError(f"{total} tokens do not fit the bucket's {bucket.num_tokens} tokens")
         nd = bucket.num_decode
-        if nd:
-            if nd == bucket.num_rows and bucket.num_tokens != nd:
-                raise ValueError(f"a pure decode bucket needs num_tokens == num_rows, got {bucket}")
+        per_decode = 1 + bucket.num_spec  # tokens of a decode row
+        if nd and nd == bucket.num_rows:
+            if bucket.num_spec and not self.speculative:
+                raise ValueError(f"a pure decode bucket needs num_tokens == num_rows, got {bucket} "
+                                 "(rows of 1 + k tokens: a verify bucket, which only a "
+                                 "speculating engine's builder takes)")  # fmt: skip
+            if bucket.num_tokens != nd * per_decode:
+                raise ValueError(f"a pure decode bucket needs num_tokens == num_rows x (1 + k), "
+                                 f"k = {bucket.num_spec}, got {bucket}")  # fmt: skip
         rare = [rows[r] for r in cols.rare]
         decode_checkpoints = sum(len(rows[r].checkpoints) for r in cols.rare if r < nd)
         if decode_checkpoints > MAX_DECODE_CHECKPOINTS:
@@ -290,8 +315,8 @@ class StepBuilder:
         num_forks = sum(len(row.forks) for row in rare)
         if num_forks > MAX_FORKS:
             raise ValueError(f"{num_forks} forked samples in one step, at most {MAX_FORKS}")
-        if not self._rows_plainly_valid(nd, cols):
-            self._validate_rows(rows, nd)  # raises, naming the first bad row
+        if not self._rows_plainly_valid(nd, cols, per_decode):
+            self._validate_rows(rows, nd, per_decode)  # raises, naming the first bad row
             raise TypeError("a row field is not a number (RowSpec holds ints and floats)")
         pad_slot = self.spec.pad_slot
         for r, row in zip(cols.rare, rare, strict=True):  # what only some rows have, on them
@@ -301,7 +326,7 @@ class StepBuilder:
                 self._validate_sampling(r, row)
                 self._validate_checkpoints(r, row, decode=r < nd)
 
-    def _rows_plainly_valid(self, nd: int, cols: _Columns) -> bool:
+    def _rows_plainly_valid(self, nd: int, cols: _Columns, per_decode: int = 1) -> bool:
         """The per-row checks of `_validate_rows` that every row needs (token counts and ids,
         where the token comes from, pages), over all rows at once: True when all pass."""
         if cols.values is None:
@@ -309,11 +334,12 @@ class StepBuilder:
         n, lens = len(cols.lens), cols.lens
         checked = cols.slots != self.spec.pad_slot  # filler rows are not checked
         decode = np.arange(n) < nd
-        need = -(-(cols.prefix + lens) // self.spec.page_size)
+        # A verify row's drafts past its pages write the pad page (a request's end: dropped).
+        need = -(-(cols.prefix + np.where(decode, 1, lens)) // self.spec.page_size)
         num_pages = np.fromiter(map(len, cols.pages), np.int64, n)
         bad = (
             (lens == 0) & ~cols.forked
-            | decode & (lens != 1)
+            | decode & (lens != per_decode)
             | cols["tokens_from_device"].astype(bool) & ~decode
             | (need > self.max_pages_per_seq)
             | (num_pages < need)
@@ -326,7 +352,7 @@ class StepBuilder:
         in_vocab = (tokens >= 0) & (tokens < self.vocab_size)
         return bool(np.all(in_vocab | ~np.repeat(checked, lens)))  # filler rows' tokens
 
-    def _validate_rows(self, rows: list[RowSpec], nd: int) -> None:
+    def _validate_rows(self, rows: list[RowSpec], nd: int, per_decode: int = 1) -> None:
         """Every row's checks, a row at a time: the first bad row raises."""
         page_size = self.spec.page_size
         for r, row in enumerate(rows):
@@ -337,8 +363,9 @@ class StepBuilder:
                 self._validate_fork(r, row, rows)
             elif n == 0:
                 raise ValueError(f"row {r} has no tokens")
-            if r < nd and n != 1:
-                raise ValueError(f"decode row {r} must carry exactly 1 token, got {n}")
+            if r < nd and n != per_decode:
+                raise ValueError(f"decode row {r} must carry exactly {per_decode} token(s), "
+                                 f"got {n}")  # fmt: skip
             if row.token_from_device and r >= nd:
                 raise ValueError(f"row {r} takes its token from the device but is not a decode row")
             bad = [t for t in row.tokens if not 0 <= t < self.vocab_size]
@@ -347,7 +374,7 @@ class StepBuilder:
                     f"row {r}: token ids {bad[:5]} outside the vocab [0, {self.vocab_size})"
                 )
             self._validate_sampling(r, row)
-            need = -(-row.seq_len // page_size)
+            need = -(-(row.prefix_len + (1 if r < nd else n)) // page_size)
             if need > self.max_pages_per_seq:
                 raise ValueError(
                     f"row {r}: length {row.seq_len} needs {need} pages, "

@@ -1,11 +1,13 @@
 """The settings `LLM(...)` and every command take: `EngineConfig` (batch limits, pool sizes,
-prefix caching, checkpoint spacing, the recurrent state's and the KV pages' dtypes) and
-`RunConfig` (dtype, weight quantization, seed, kernels, compilation). Each field holds its
-default and help text once; the CLI's flags are generated from them (`jaxmamba.cli_args`)."""
+prefix caching, checkpoint spacing, the recurrent state's and the KV pages' dtypes, speculative
+decoding) and `RunConfig` (dtype, weight quantization, seed, kernels, compilation). Each field
+holds its default and help text once; the CLI's flags are generated from them
+(`jaxmamba.cli_args`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,13 +47,101 @@ def ssm_cache_dtype(setting: str) -> str:
     return MAMBA_SSM_CACHE_DTYPES[setting]
 
 
-def setting(default, help: str, *, choices: Sequence[str] | None = None, positive=False):
-    """A settings field: its default, its flag's help text, the values the flag offers, and
-    whether it must be a positive int (None allowed where that is the default)."""
+def setting(default, help: str, *, choices: Sequence[str] | None = None, positive=False,
+            parse=None):  # fmt: skip
+    """A settings field: its default, its flag's help text, the values the flag offers,
+    whether it must be a positive int (None allowed where that is the default), and the
+    function that reads its flag's text (`parse`; default: the field's type)."""
     metadata = {"help": help, "positive": positive}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if parse is not None:
+        metadata["parse"] = parse
     return field(default=default, metadata=metadata)
+
+
+# The most draft tokens a verify step scores per row (a verify bucket holds 1 + k tokens a row).
+MAX_SPECULATIVE_TOKENS = 16
+# `SpeculativeConfig.method` values: what each needs, and whether this engine runs it yet.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys): each decode step of a row
+    verifies `num_speculative_tokens` draft tokens in one step of the target model and keeps
+    the accepted prefix, on the device (docs/speculative.md).
+
+    `method` "ngram" (prompt lookup): the draft is what followed the latest earlier occurrence
+    of the row's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
+    "draft_model" (`model`: a smaller checkpoint sharing the tokenizer) and "mtp" (the
+    checkpoint's multi-token-prediction layers) are named but not implemented yet: refused.
+    `disable_by_batch_size`: a step with more decode rows than this does not speculate."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        where = "speculative_config"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"{where}.method must be one of {list(SPECULATIVE_METHODS)}, got "
+                             f"{self.method!r}")  # fmt: skip
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and name == "disable_by_batch_size":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}.{name} must be an int >= 1, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"{where}.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got "
+                f"{self.num_speculative_tokens}"
+            )
+        if self.method == "ngram":
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(
+                    f"{where}.prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                    f"prompt_lookup_max ({self.prompt_lookup_max})"
+                )
+            if self.model is not None:
+                raise ValueError(f"{where}.model is for method 'draft_model'; method 'ngram' "
+                                 f"drafts from the prompt (got model={self.model!r})")  # fmt: skip
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(f"{where}.model is required for method 'draft_model' (a smaller "
+                             "checkpoint sharing the target's tokenizer)")  # fmt: skip
+        if self.method in ("draft_model", "mtp"):
+            raise ValueError(
+                f"{where}.method={self.method!r} is not implemented yet: only 'ngram' (prompt "
+                "lookup) runs (docs/speculative.md)"
+            )
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A `speculative_config` setting: None, a SpeculativeConfig, a dict of its keys, or
+        that dict as JSON text (the CLI flag). Unknown keys are a ValueError naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON), got "
+                             f"{type(value).__name__}")  # fmt: skip
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {names}")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required: 'ngram', 'draft_model' or "
+                             "'mtp'")  # fmt: skip
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -124,6 +214,14 @@ class EngineConfig:
         "half the bytes of bf16 pages (docs/quantization.md)",
         choices=KV_CACHE_DTYPES,
     )
+    speculative_config: SpeculativeConfig | dict | str | None = setting(
+        None,
+        'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+        '"disable_by_batch_size": 32}; draft tokens are verified in one step and accepted on '
+        "the device, greedy output unchanged (docs/speculative.md)",
+        parse=SpeculativeConfig.parse,
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -137,6 +235,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         ssm_cache_dtype(self.mamba_ssm_cache_dtype)
         kv_cache_dtype(self.kv_cache_dtype, None)
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
 
     def for_chunk_size(self, chunk_size: int) -> EngineConfig:
         """This config with `track_interval` resolved for a model of `chunk_size`: a user's

@@ -53,7 +53,13 @@ from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.detokenizer import IncrementalDetokenizer
 from jaxmamba.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxmamba.engine.request import Request
-from jaxmamba.engine.runner import ModelRunner, StepOutput, program_name, unpack_step_output
+from jaxmamba.engine.runner import (
+    ModelRunner,
+    StepOutput,
+    program_name,
+    unpack_step_output,
+    unpack_verify_output,
+)
 from jaxmamba.engine.scheduler import ScheduledStep, Scheduler
 from jaxmamba.sampling_params import SamplingParams
 from jaxmamba.structured.params import StructuredOutputsParams
@@ -73,6 +79,11 @@ class EngineStats:
     step_kinds: dict[str, int] = field(
         default_factory=lambda: {"decode": 0, "prefill": 0, "mixed": 0}
     )
+    # Speculative decoding: verify steps; per draft position, rows that proposed a draft
+    # there and rows that accepted it (read back with each verify step's output).
+    verify_steps: int = 0
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
 
 def sibling_seed(seed: int, index: int) -> int:
@@ -167,6 +178,15 @@ class LLMEngine:
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer
+        spec = config.speculative_config
+        if spec is not None and runner.speculative is None:
+            raise ValueError(
+                f"speculative_config={spec}: this engine's {type(runner).__name__} has no verify "
+                "programs (an exported artifact holds none: serve the model itself)"
+            )
+        if spec is not None and runner.speculative.num_tokens != spec.num_speculative_tokens:
+            raise ValueError(f"speculative_config {spec} but the runner speculates "
+                             f"{runner.speculative}")  # fmt: skip
         self.scheduler = Scheduler(model_cfg, config)
         split = self.scheduler.pool_split()
         logger.info(
@@ -174,10 +194,15 @@ class LLMEngine:
             split["state_slots"], split["state_slots_running"], split["state_slots_checkpoints"],
         )  # fmt: skip
         self.builder = StepBuilder(
-            runner.cache_spec, config.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size
-        )
+            runner.cache_spec, config.max_pages_per_seq, model_cfg.vocab_size,
+            model_cfg.chunk_size, speculative=spec is not None,
+        )  # fmt: skip
+
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids)
         self.stats = EngineStats()
+        if spec is not None:
+            self.stats.drafted = [0] * spec.num_speculative_tokens
+            self.stats.accepted = [0] * spec.num_speculative_tokens
         self._rng = np.random.default_rng(seed)
         self._groups: dict[str, RequestGroup] = {}
         self._inflight: tuple[ScheduledStep, StepOutput] | None = None
@@ -536,7 +561,11 @@ class LLMEngine:
         self.stats.device_reads += 1
         deltas: dict[str, list[CompletionOutput]] = {}
         try:
-            self._take_samples(step, *unpack_step_output(host), deltas)
+            if step.num_spec:
+                self._take_verified(step, unpack_verify_output(host.packed, 1 + step.num_spec),
+                                    deltas)  # fmt: skip
+            else:
+                self._take_samples(step, *unpack_step_output(host), deltas)
         except Exception as err:
             done = {rid: c for rid, c in deltas.items() if self._groups[rid].finished}
             carried = [row.request for row in step.rows if row.request.request_id not in done]
@@ -587,6 +616,46 @@ class LLMEngine:
                 top = self._logprobs(sampled, i, token, logprob, req.params.logprobs)
                 req.output_logprobs.append(top)
             deltas.setdefault(req.request_id, []).append(self._advance(req, token, top, now))
+
+    def _take_verified(self, step: ScheduledStep, verified,
+                       deltas: dict[str, list[CompletionOutput]]) -> None:  # fmt: skip
+        """A verify step's rows (speculative decoding): each emits its accepted drafts and the
+        token after them, appended one at a time as `_take_samples` does a step's one token
+        (stop rules, logprobs, detokenizing), until its request finishes; the scheduler's
+        counters move on by what the row kept beyond the one token it counted."""
+        st, k = self.stats, step.num_spec
+        st.verify_steps += 1
+        samples, num = verified.samples, verified.num_positions
+        tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
+        now = time.perf_counter()
+        for i, row in enumerate(step.rows):
+            req = row.request
+            accepted = int(verified.accepted[i])
+            if verified.proposed[i]:
+                for j in range(k):
+                    st.drafted[j] += 1
+                    st.accepted[j] += j < accepted
+            if req.finished:
+                continue
+            self.scheduler.accepted(req, accepted)
+            for j in range(i * num, i * num + accepted + 1):
+                token, logprob = tokens[j], logprobs[j]
+                req.output_token_ids.append(token)
+                req.cumulative_logprob += logprob
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                top = None
+                if req.params.logprobs is not None:
+                    top = self._logprobs(samples, j, token, logprob, req.params.logprobs)
+                    req.output_logprobs.append(top)
+                completion = self._advance(req, token, top, now)
+                mine = deltas.setdefault(req.request_id, [])
+                if mine and mine[-1].index == completion.index:
+                    mine[-1].add(completion)
+                else:
+                    mine.append(completion)
+                if req.finished:
+                    break
 
     def _outputs(self, deltas: dict[str, list[CompletionOutput]]) -> list[RequestOutput]:
         outputs = []
@@ -719,6 +788,14 @@ class LLMEngine:
             "forked_samples": s.forked_samples,
             **{f"{k}_steps": v for k, v in st.step_kinds.items()},
         }
+        if st.drafted:  # speculative decoding (vLLM's spec_decode metrics, per position too)
+            drafted, accepted = sum(st.drafted), sum(st.accepted)
+            out["spec_verify_steps"] = st.verify_steps
+            out["spec_draft_tokens"] = drafted
+            out["spec_accepted_tokens"] = accepted
+            out["spec_acceptance_rate"] = accepted / max(drafted, 1)
+            for j, (d, a) in enumerate(zip(st.drafted, st.accepted, strict=True)):
+                out[f"spec_acceptance_rate_pos{j}"] = a / max(d, 1)
         out.update(self.scheduler.pool_split())
         if cache is not None:
             out["prefix_cache_nodes"] = cache.num_nodes

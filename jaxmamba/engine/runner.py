@@ -49,6 +49,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import StateCache, cache_shapes, init_cache
 from jaxmamba.model.metadata import PackedStepInputs
 from jaxmamba.model.sampling import needs_cutoff
+from jaxmamba.model.speculative import NgramSpec
 from jaxmamba.model.step import (
     FULL,
     GREEDY,
@@ -109,6 +110,24 @@ class HostSample(NamedTuple):
     ranks: np.ndarray  # i32[B] 1-based rank of the sampled token under the raw model
     top_ids: np.ndarray  # i32[B, MAX_LOGPROBS]
     top_logprobs: np.ndarray  # f32[B, MAX_LOGPROBS]
+
+
+class HostVerify(NamedTuple):
+    """A verify step's output on the host (speculative decoding): per row, the drafts it
+    accepted and whether it proposed any, and its samples at each of its J positions (row r's
+    position j is `samples` row ``r·J + j``); the row emits positions ``0..accepted[r]``."""
+
+    accepted: np.ndarray  # i32[B]
+    proposed: np.ndarray  # i32[B] 1 when the row had drafts
+    samples: HostSample  # [B*J]
+    num_positions: int  # J
+
+
+def unpack_verify_output(packed: np.ndarray, num_positions: int) -> HostVerify:
+    ints = np.ascontiguousarray(packed, dtype=np.int32)
+    rows = ints.shape[0]
+    samples = unpack_sample_output(ints[:, 2:].reshape(rows * num_positions, -1))
+    return HostVerify(ints[:, 0], ints[:, 1], samples, num_positions)
 
 
 def unpack_sample_output(packed: np.ndarray) -> HostSample:
@@ -273,6 +292,9 @@ class StepRunner:
     # returns the inputs to run: the several-host leader sends them to its followers
     # (`jaxmamba.parallel.multihost`). None: nothing is sent.
     send_step: Callable | None = None
+    # Speculative decoding: the n-gram drafting its verify steps run (None: it has no verify
+    # programs, and its slot state keeps no lengths or token history).
+    speculative: NgramSpec | None = None
 
     def __init__(self):
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
@@ -461,16 +483,22 @@ class ModelRunner(StepRunner):
         tensor_parallel_size: int = 1,
         mesh=None,
         allocate: bool = True,
+        speculative: NgramSpec | None = None,
     ):
         """`tensor_parallel_size > 1`: the model runs sharded over a mesh of that many
         devices (`mesh`, default the first devices; jaxmamba.parallel); `params` are the
         whole model's, as loaded. `allocate=False`: `cache` and `slot_state` are only their
         shapes (`jax.ShapeDtypeStruct`s), so the runner compiles its programs
         (`compile_programs`, for their memory) before the cache takes memory; it runs after
-        `reset_state`."""
+        `reset_state`. `speculative`: the runner runs verify steps with this n-gram drafting
+        (one device only), and its slot state keeps each slot's length and token history."""
         from jaxmamba.model.model import Mamba2HybridLM
 
         super().__init__()
+        if speculative is not None and (tensor_parallel_size > 1 or mesh is not None):
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
+                             "implemented yet: serve the model on one device")  # fmt: skip
+        self.speculative = speculative
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
@@ -482,7 +510,8 @@ class ModelRunner(StepRunner):
             self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
             self.params = params
             self._new_state = lambda: (init_cache(cfg, cache_spec, self.dtype),
-                                       init_slot_state(cfg, cache_spec, self.dtype))  # fmt: skip
+                                       init_slot_state(cfg, cache_spec, self.dtype,
+                                                       speculative))  # fmt: skip
             self._static = dict(model=self.model, spec=cache_spec)
             self._jit_step, self._jit_logits = jitted_step, jitted_logits
             self._jit_score, self._jit_fork = jitted_score, jitted_fork
@@ -505,6 +534,11 @@ class ModelRunner(StepRunner):
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
             self._jit_score, self._jit_fork = step.jitted_tp_score, step.jitted_tp_fork
             state_sharding = replicated
+        # The step's static arguments: `speculative` only when set (the programs of a runner
+        # that does not speculate are those it would have without the feature).
+        self._step_static = dict(self._static)
+        if speculative is not None:
+            self._step_static["speculative"] = speculative
         self.cache: StateCache
         if allocate:
             self.reset_state()
@@ -534,7 +568,7 @@ class ModelRunner(StepRunner):
     def _step_fn(self, params, cache, slot_state, inputs, *, num_decode, sampler=FULL):
         """The step body, unjitted (for jaxpr inspection)."""
         return step_fn(params, cache, slot_state, inputs, num_decode=num_decode, sampler=sampler,
-                       **self._static)  # fmt: skip
+                       **self._step_static)  # fmt: skip
 
     def forward_logits(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Like `step`, but returns float32 logits for every token `[T, V]` (scoring, tests)."""
@@ -550,7 +584,7 @@ class ModelRunner(StepRunner):
         kwargs = {} if sampler == FULL else {"sampler": sampler}
         packed, self.cache, self.slot_state = self._jit_step(
             self.params, self.cache, self.slot_state, self._put_inputs(inputs),
-            num_decode=bucket[2], **kwargs, **self._static,
+            num_decode=bucket[2], **kwargs, **self._step_static,
         )  # fmt: skip
         return packed
 
@@ -566,7 +600,7 @@ class ModelRunner(StepRunner):
         """`(args, kwargs)` of `jitted_step` (or the tensor-parallel `jitted_tp_step`) for
         these inputs, packed as `step` passes them (lowering, export: the FULL sampler, as
         `step` calls it)."""
-        kwargs = dict(num_decode=num_decode, **self._static)
+        kwargs = dict(num_decode=num_decode, **self._step_static)
         if base_sampler(sampler) != FULL:
             kwargs["sampler"] = base_sampler(sampler)
         if isinstance(inputs, StepInputs):
@@ -599,11 +633,12 @@ def step_temporary_bytes(
     impl: str = "auto",
     small_m_impl: str | None = None,
     tensor_parallel_size: int = 1,
+    speculative: NgramSpec | None = None,
 ) -> int:
     """Device bytes one step of this bucket needs beyond its arguments: XLA's memory analysis
     of the compiled step (temporaries, and outputs that do not alias a donated input). Only
     shapes are used: nothing is allocated or run. Sharded (`tensor_parallel_size > 1`): one
-    device's."""
+    device's. `speculative`: the step of a runner that speculates (a verify bucket's too)."""
     if isinstance(inputs, StepInputs):  # as `step` passes them: the same program
         inputs = PackedStepInputs.pack(inputs)
     from jaxmamba.model.model import Mamba2HybridLM
@@ -618,9 +653,11 @@ def step_temporary_bytes(
 
     dtype = jnp.dtype(dtype)
     model = Mamba2HybridLM(cfg, dtype, impl, small_m_impl)
-    shapes = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
+    shapes = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype, speculative))
     args = (params, cache_shapes(cfg, spec, dtype), shapes, inputs)
-    compiled = jitted_step.lower(*args, num_decode=num_decode, model=model, spec=spec).compile()
+    extra = {} if speculative is None else {"speculative": speculative}
+    compiled = jitted_step.lower(*args, num_decode=num_decode, model=model, spec=spec,
+                                 **extra).compile()  # fmt: skip
     return program_bytes(compiled)
 
 

@@ -27,6 +27,15 @@ Structured outputs: a request whose grammar is still compiling waits in the queu
 `WAITING_FOR_FSM`); a row that samples carries its request's matcher (`RowSpec.matcher`), from
 which the step builder writes the row's token bitmask.
 
+Speculative decoding (`EngineConfig.speculative_config`, docs/speculative.md): a step of
+decode rows only, each of whose requests may speculate (no penalties, no grammar), at most
+`disable_by_batch_size` of them, is a *verify* step: each row carries 1 + k tokens, drafted,
+verified and accepted on the device. The host learns how many a row kept only when it reads
+the step, after it has scheduled the next: `num_computed` and `num_scheduled_outputs` count one
+token per step until then (a lower bound; `Scheduler.accepted` adds the rest), and the device
+keeps the true lengths (`lens_from_device`). Decode rows take no checkpoints then (their length
+is not known when the step is built); prompt checkpoints are as without speculation.
+
 `transaction()` wraps scheduling a step and dispatching it: every change made inside (queues,
 request counters, slots, pages, prefix-cache references and evictions) is undone if it raises.
 When the device state itself is lost (a step consumed it and failed), `drop_device_state`
@@ -85,6 +94,11 @@ class ScheduledStep:
     constrained: bool = False
 
     @property
+    def num_spec(self) -> int:
+        """k of a verify step (its decode rows carry 1 + k tokens), else 0."""
+        return self.bucket.num_spec
+
+    @property
     def specs(self) -> list[RowSpec]:
         return [r.spec for r in self.rows]
 
@@ -124,23 +138,68 @@ class Scheduler:
         self.held_admissions = 0  # admissions that were held back for a leader's checkpoint
         self.forked_samples = 0  # n > 1 samples forked off sample 0's prefill (no prompt fed)
         self.decode_buckets = pow2_buckets(config.max_num_seqs)
-        # Prefill rows are not bucketed: every prefill/mixed step has `max_prefill_rows` of
+        # Prefill rows are not bucketed: every prefill/mixed step has `prefill_rows(t, bd)` of
         # them (empty ones cost a few padding chunks), which keeps the bucket count linear.
         self.max_prefill_rows = min(config.max_prefill_seqs, config.max_num_seqs)
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, start=16)
         self.waiting: deque[Request] = deque()
         self._prompts_ending: set[int] = set()
         self.running: list[Request] = []
+        self.speculative = config.speculative_config  # SpeculativeConfig | None
 
     # -- buckets ------------------------------------------------------------------------------
     def all_buckets(self) -> list[Bucket]:
         """Every bucket a step can use: what `precompile` compiles."""
         buckets = [Bucket(b, b, b) for b in self.decode_buckets]
+        k = 0 if self.speculative is None else self.speculative.num_speculative_tokens
+        buckets += [Bucket(b * (1 + k), b, b) for b in self.verify_buckets()]
         for t in self.token_buckets:
             for bd in [0, *self.decode_buckets]:
                 if bd < t:
-                    buckets.append(Bucket(t, bd + self.max_prefill_rows, bd))
+                    buckets.append(Bucket(t, bd + self.prefill_rows(t, bd), bd))
         return buckets
+
+    def prefill_rows(self, num_tokens: int, num_decode: int) -> int:
+        """The prefill rows of a mixed bucket: `max_prefill_rows`, or fewer where the bucket's
+        tokens past its decode block cannot feed that many (each row has at least one token):
+        a row's state gathers and writes cost its program memory whether it is used or not."""
+        return min(self.max_prefill_rows, num_tokens - num_decode)
+
+    def verify_buckets(self) -> list[int]:
+        """The decode buckets (rows) that verify steps use: up to `disable_by_batch_size`
+        rows (the smallest bucket holding that many), all without it; none without
+        speculation."""
+        spec = self.speculative
+        if spec is None:
+            return []
+        if spec.disable_by_batch_size is None:
+            return list(self.decode_buckets)
+        most = min(spec.disable_by_batch_size, self.decode_buckets[-1])
+        limit = smallest_fitting(self.decode_buckets, most, "rows")
+        return [b for b in self.decode_buckets if b <= limit]
+
+    def speculates(self, rows: list[ScheduledRow]) -> bool:
+        """Whether a step of these decode rows (and no prefill) verifies drafts: speculation is
+        on, there are at most `disable_by_batch_size` rows, and every request may speculate:
+        no penalties (the verify sampler has none), no grammar (its bitmask needs each token)."""
+        spec = self.speculative
+        if spec is None or not rows:
+            return False
+        if spec.disable_by_batch_size is not None and len(rows) > spec.disable_by_batch_size:
+            return False
+        for row in rows:
+            p = row.request.params
+            penalised = (p.presence_penalty != 0 or p.frequency_penalty != 0
+                         or p.repetition_penalty != 1)  # fmt: skip
+            if penalised or row.request.matcher is not None:
+                return False
+        return True
+
+    def accepted(self, req: Request, extra: int) -> None:
+        """A verify step's row kept `extra` tokens more than the one it was counted for: move
+        the request's counters on (after the host read them; outside any transaction)."""
+        req.num_computed += extra
+        req.num_scheduled_outputs += extra
 
     def use_buckets(self, decode: list[int] | None = None, tokens: list[int] | None = None) -> None:
         """Replace the power-of-two ladders of decode rows and step tokens (fewer compiled
@@ -507,7 +566,9 @@ class Scheduler:
         row = ScheduledRow(req, self._row(req, tokens, from_device=from_device), samples=False)
         end = start + n
         if from_device:
-            if end % self.config.track_interval == 0 and self._decode_checkpoints_left > 0:
+            if self.speculative is not None:
+                pass  # the row's true length is the device's: no decode checkpoint
+            elif end % self.config.track_interval == 0 and self._decode_checkpoints_left > 0:
                 self._maybe_track(row, end)
                 self._decode_checkpoints_left -= len(row.checkpoints)
         else:
@@ -586,12 +647,18 @@ class Scheduler:
             return None
         if not prefill:
             b = smallest_fitting(self.decode_buckets, len(rows), "decode rows")
+            if self.speculates(rows):
+                k = self.speculative.num_speculative_tokens
+                for r in rows:
+                    r.spec.tokens = [0] * (1 + k)  # the last token and k drafts, on device
+                return ScheduledStep(rows, Bucket(b * (1 + k), b, b), len(rows))
             return ScheduledStep(rows, Bucket(b, b, b), len(rows))
         num_tokens = bd + sum(len(r.spec.tokens) for r in prefill)
         t = smallest_fitting(self.token_buckets, num_tokens, "step tokens")
         if bd >= t:  # keep at least one prefill token slot past the decode block
             t = smallest_fitting(self.token_buckets, bd + 1, "step tokens")
-        return ScheduledStep(rows + prefill, Bucket(t, bd + max_prefill, bd), len(rows))
+        bucket = Bucket(t, bd + self.prefill_rows(t, bd), bd)
+        return ScheduledStep(rows + prefill, bucket, len(rows))
 
 
 _request_fields = operator.attrgetter(*Scheduler._REQUEST_FIELDS)

@@ -76,3 +76,13 @@ def init_cache(cfg: ModelConfig, spec: CacheSpec, dtype) -> StateCache:
 def cache_bytes(cfg: ModelConfig, spec: CacheSpec, dtype) -> int:
     leaves = jax.tree.leaves(cache_shapes(cfg, spec, dtype))
     return sum(s.size * jnp.dtype(s.dtype).itemsize for s in leaves)
+
+
+def slots_after(x: jax.Array, slots: jax.Array) -> jax.Array:
+    """`slots`, unchanged, made to depend on `x` (a layer's input): XLA then gathers a pool's
+    rows by them inside that layer. A gather that reads only the step's inputs may otherwise
+    be scheduled at the step's start, and a prefill step holds every layer's gathered row
+    states at once (9B, 512 tokens x 64 prefill rows, XLA:CPU float32: 56 GiB of
+    temporaries, 39 GiB with this; `scripts/dev/cache_copies.py`). `x * 0` is 0, or NaN for
+    a non-finite `x`, and XLA converts NaN to the integer 0."""
+    return slots + (x.reshape(-1)[0] * 0).astype(slots.dtype)

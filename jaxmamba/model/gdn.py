@@ -8,7 +8,9 @@ and write strength `beta = sigmoid(b)`; then per value head `rmsnorm(o)·w·silu
 written once in place by slot, then copy the few tracking rows' states to their checkpoint
 slots; prefill/extend rows run the varlen conv and the chunked delta rule from their initial
 states and write their final states and the checkpoints at the tracked lengths (the chunk-end
-states, and the K-1 conv inputs before each length), as the Mamba2 mixer does.
+states, and the K-1 conv inputs before each length), as the Mamba2 mixer does. A verify
+step's rows (speculative decoding) read their state without writing it, as the Mamba2
+mixer's do.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from jax import lax
 from jaxmamba.config import ModelConfig
 from jaxmamba.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, windows_at
 from jaxmamba.kernels.gdn import gdn_decode, gdn_gating, gdn_prefill
+from jaxmamba.model.cache import slots_after
 from jaxmamba.model.layers import Dtype, Linear
 from jaxmamba.model.mamba2 import DepthwiseConvWeights, a_log_init
 from jaxmamba.model.metadata import ForwardMetadata
+from jaxmamba.model.speculative import conv_verify, gdn_verify
 from jaxmamba.parallel.collectives import ShardLayout
 
 
@@ -92,6 +96,20 @@ class GatedDeltaNetMixer(nn.Module):
         a_log = self.param("A_log", nn.with_logical_partitioning(a_log_init, ("gdn_heads",)), (hv,))
 
         outputs = []
+        pending = None
+        if meta.verify is not None:  # every token: J per row
+            slots, num = meta.verify.state_slots, meta.verify.num_positions
+            rows = slots.shape[0]
+            qkv_in = proj[:, :conv_dim].reshape(rows, num, conv_dim)
+            qkv, conv_inputs = conv_verify(conv_pool, qkv_in, weight, None, slots)
+            q, k, v = _split_qkv(qkv.reshape(rows * num, conv_dim), cfg)
+            shaped = lambda t: t.reshape(rows, num, *t.shape[1:])  # noqa: E731
+            o_v, pending = gdn_verify(
+                state_pool, shaped(q), shaped(k), shaped(v), shaped(a), shaped(b), a_log, dt_bias,
+                slots, scale=cfg.gdn_key_head_dim**-0.5,
+            )  # fmt: skip
+            pending = pending._replace(conv_inputs=conv_inputs)
+            outputs.append(o_v.reshape(rows * num, hv, -1))
         bd = 0 if meta.decode is None else meta.decode.state_slots.shape[0]  # decode tokens
         if meta.decode is not None:
             dec = meta.decode
@@ -114,7 +132,8 @@ class GatedDeltaNetMixer(nn.Module):
             pre = meta.prefill
             qkv_in = proj[bd:, :conv_dim]
             has_init = pre.has_initial_state
-            init_conv = jnp.where(has_init[:, None, None], conv_pool[pre.init_slots], 0)
+            init_slots = slots_after(x, pre.init_slots)
+            init_conv = jnp.where(has_init[:, None, None], conv_pool[init_slots], 0)
             conv_tracked = windows_at(
                 qkv_in, init_conv, pre.cu_seqlens, pre.track_rows, pre.track_ends, K - 1
             )
@@ -125,7 +144,7 @@ class GatedDeltaNetMixer(nn.Module):
             q, k, v = _split_qkv(qkv, cfg)
             g, beta = gdn_gating(a[bd:], b[bd:], a_log, dt_bias)
             init_state = jnp.where(
-                has_init[:, None, None, None], state_pool[pre.init_slots].astype(jnp.float32), 0
+                has_init[:, None, None, None], state_pool[init_slots].astype(jnp.float32), 0
             )
             o_p, state_final, state_tracked = gdn_prefill(
                 q, k, v, g, beta, pre.cu_seqlens, chunk_size=cfg.chunk_size,
@@ -150,4 +169,6 @@ class GatedDeltaNetMixer(nn.Module):
             None if self.tp is None else self.tp.axis,
             name="out_proj",
         )(o.reshape(-1, value_dim))
+        if pending is not None:  # a verify step: the state is written after acceptance
+            return out, conv_pool, state_pool, pending
         return out, conv_pool, state_pool

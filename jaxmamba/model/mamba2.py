@@ -6,7 +6,9 @@ prefill/extend rows go through the varlen causal conv and the chunked SSD scan, 
 from their initial state and writing their final state — and, for rows that track this
 step, the checkpoints at the tracked lengths (up to `MAX_PREFILL_CHECKPOINTS` per row: the
 SSD scan's chunk-boundary states, and the K-1 conv inputs before each length gathered from
-the pre-conv input and the initial conv state).
+the pre-conv input and the initial conv state). A verify step's rows (speculative decoding)
+read their state without writing it and return what `speculative.commit_state` needs to write
+the state after the accepted prefix, once the step knows it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from jaxmamba.kernels import ColumnView
 from jaxmamba.kernels.conv1d import causal_conv1d_varlen, windows_at
 from jaxmamba.kernels.mamba_decode import mamba2_decode
 from jaxmamba.kernels.ssd import ssd_varlen
+from jaxmamba.model.cache import slots_after
 from jaxmamba.model.layers import Dtype, GatedGroupRMSNorm, Linear
 from jaxmamba.model.metadata import ForwardMetadata
+from jaxmamba.model.speculative import conv_verify, mamba2_verify
 from jaxmamba.parallel.collectives import ShardLayout
 
 
@@ -114,6 +118,23 @@ class Mamba2Mixer(nn.Module):
         A = -jnp.exp(a_log.astype(jnp.float32))
 
         outputs = []
+        pending = None
+        if meta.verify is not None:  # every token: J per row
+            slots, num = meta.verify.state_slots, meta.verify.num_positions
+            rows = slots.shape[0]
+            xbc = zxbcdt[:, d_inner : d_inner + conv_dim].reshape(rows, num, conv_dim)
+            conv_out, conv_inputs = conv_verify(conv_pool, xbc, weight, bias, slots)
+            y_v, pending = mamba2_verify(
+                ssm_pool,
+                conv_out[..., :d_inner].reshape(rows, num, H, P),
+                zxbcdt[:, d_inner + conv_dim :].reshape(rows, num, H),
+                A,
+                conv_out[..., d_inner : d_inner + G * N].reshape(rows, num, G, N),
+                conv_out[..., d_inner + G * N :].reshape(rows, num, G, N),
+                slots, D=d_skip, dt_bias=dt_bias,
+            )  # fmt: skip
+            pending = pending._replace(conv_inputs=conv_inputs)
+            outputs.append(y_v.reshape(-1, d_inner))
         bd = 0 if meta.decode is None else meta.decode.state_slots.shape[0]  # decode tokens
         if meta.decode is not None:
             dec = meta.decode
@@ -138,7 +159,8 @@ class Mamba2Mixer(nn.Module):
             xbc_p = ColumnView.of(packed, col, (conv_dim,))
             dt_p = ColumnView.of(packed, col + conv_dim, (H,))
             has_init = pre.has_initial_state
-            init_conv = jnp.where(has_init[:, None, None], conv_pool[pre.init_slots], 0)
+            init_slots = slots_after(x, pre.init_slots)
+            init_conv = jnp.where(has_init[:, None, None], conv_pool[init_slots], 0)
             # The conv checkpoints are windows of this layer's pre-conv input: one gather for
             # every (row, checkpoint) entry, whatever the kernel.
             conv_tracked = windows_at(
@@ -151,7 +173,7 @@ class Mamba2Mixer(nn.Module):
             x_p = ColumnView.of(conv_out, 0, (H, P))
             b_p = ColumnView.of(conv_out, d_inner, (G, N))
             c_p = ColumnView.of(conv_out, d_inner + G * N, (G, N))
-            init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[pre.init_slots], 0)
+            init_ssm = jnp.where(has_init[:, None, None, None], ssm_pool[init_slots], 0)
             y_p, ssm_final, ssm_tracked = ssd_varlen(
                 x_p, dt_p, A, b_p, c_p, pre.cu_seqlens,
                 chunk_size=cfg.chunk_size, D=d_skip, dt_bias=dt_bias, dt_softplus=True,
@@ -178,4 +200,6 @@ class Mamba2Mixer(nn.Module):
             None if self.tp is None else self.tp.axis,
             name="out_proj",
         )(y)
+        if pending is not None:  # a verify step: the state is written after acceptance
+            return out, conv_pool, ssm_pool, pending
         return out, conv_pool, ssm_pool

@@ -96,6 +96,14 @@ class DecodeMetadata(NamedTuple):
     track_slots: jax.Array  # i32[Bd] the same copies by row: each row's target (pad: none)
 
 
+class VerifyMetadata(NamedTuple):
+    """A verify step (speculative decoding): every row carries ``J = 1 + k`` tokens, its last
+    sampled token and k drafts (`jaxmamba.model.speculative`)."""
+
+    state_slots: jax.Array  # i32[B]
+    num_positions: int  # J (static)
+
+
 class ForwardMetadata(NamedTuple):
     token_rows: jax.Array  # i32[T] row of each token (pad tokens: clamped to a valid row)
     token_valid: jax.Array  # bool[T]
@@ -108,6 +116,7 @@ class ForwardMetadata(NamedTuple):
     # The attention kernels' query blocks (`with_attention_blocks`); None: the reference
     # attention, or a model without attention layers.
     attention_blocks: QueryBlocks | None = None
+    verify: VerifyMetadata | None = None  # a verify step's rows (then decode and prefill: None)
 
     def with_attention_blocks(self, num_q_heads: int, num_kv_heads: int, impl: str):
         """This metadata plus the query blocks the attention kernel of ``impl`` cuts the step
@@ -132,8 +141,10 @@ class ForwardMetadata(NamedTuple):
         page_size: int,
         pad_page: int,
         pad_slot: int,
+        num_spec: int = 0,
     ) -> ForwardMetadata:
-        """Derive the step's metadata on device. Call once per forward, inside the jit."""
+        """Derive the step's metadata on device. Call once per forward, inside the jit.
+        `num_spec` > 0: a verify step, every row a decode row of ``1 + num_spec`` tokens."""
         inputs = jax.tree.map(jnp.asarray, inputs)
         num_tokens = inputs.input_ids.shape[0]
         num_rows = inputs.state_slots.shape[0]
@@ -145,15 +156,35 @@ class ForwardMetadata(NamedTuple):
         positions = inputs.prefix_lens[token_rows] + token_ids - qsl[token_rows]
         positions = jnp.where(token_valid, positions, 0)
 
+        writes = token_valid
+        if inputs.lens_from_device is not None:
+            # Lengths from the device may run past the page table (tokens after a request's
+            # end that the host drops): those write the pad page, not a clamped real one, and
+            # attend as if at the last position the table holds (no read past it).
+            capacity = inputs.page_table.shape[1] * page_size
+            writes = writes & (positions < capacity)
+            positions = jnp.minimum(positions, capacity - 1)
         page_of_token = inputs.page_table[token_rows, positions // page_size]
         kv_slot_mapping = jnp.where(
-            token_valid, page_of_token * page_size + positions % page_size, pad_page * page_size
+            writes, page_of_token * page_size + positions % page_size, pad_page * page_size
         )
         last_token_index = jnp.maximum(qsl[1:] - 1, 0)
 
         track_slots, track_lens = inputs.track_slots, inputs.track_lens
         if track_slots.ndim == 1:
             track_slots, track_lens = track_slots[:, None], track_lens[:, None]
+        if num_spec:
+            return ForwardMetadata(
+                token_rows=token_rows,
+                token_valid=token_valid,
+                positions=positions,
+                kv_slot_mapping=kv_slot_mapping,
+                page_table=inputs.page_table,
+                last_token_index=last_token_index,
+                decode=None,
+                prefill=None,
+                verify=VerifyMetadata(inputs.state_slots, 1 + num_spec),
+            )
         decode = None
         if num_decode > 0:
             slots = inputs.state_slots[:num_decode]

@@ -45,14 +45,14 @@ class ParallelMixer(nn.Module):
     @nn.compact
     def __call__(self, x, conv_pool, ssm_pool, k_pages, v_pages, meta):
         cfg, small_m, tp = self.cfg, self.small_m_impl, self.tp
-        m, conv_pool, ssm_pool = Mamba2Mixer(cfg, self.dtype, self.impl, small_m, tp, name="mamba")(
-            x, conv_pool, ssm_pool, meta
-        )
+        m, conv_pool, ssm_pool, *pending = Mamba2Mixer(
+            cfg, self.dtype, self.impl, small_m, tp, name="mamba"
+        )(x, conv_pool, ssm_pool, meta)
         a, k_pages, v_pages = Attention(cfg, self.dtype, self.impl, small_m, tp, name="attention")(
             x, k_pages, v_pages, meta
         )
         out = (m.astype(jnp.float32) + a.astype(jnp.float32)).astype(self.dtype)
-        return out, conv_pool, ssm_pool, k_pages, v_pages
+        return out, conv_pool, ssm_pool, k_pages, v_pages, *pending
 
 
 class Block(nn.Module):
@@ -160,7 +160,9 @@ class Mamba2HybridLM(nn.Module):
         cache: StateCache,
         meta: ForwardMetadata,
     ) -> tuple[jax.Array, StateCache]:
-        """Run every layer over the step's tokens; returns normed hidden `[T, E]` and the cache."""
+        """Run every layer over the step's tokens; returns normed hidden `[T, E]` and the cache.
+        A verify step (`meta.verify`) also returns each recurrent layer's
+        `speculative.RecurrentPending`: its state is written once the step has accepted."""
         cfg = self.cfg
         if cfg.attention_layers and meta.attention_blocks is None:
             meta = meta.with_attention_blocks(
@@ -177,21 +179,27 @@ class Mamba2HybridLM(nn.Module):
         k_pages, v_pages = list(cache.k_pages), list(cache.v_pages)
         recurrent_index = {layer: i for i, layer in enumerate(cfg.recurrent_layers)}
         attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        pending = [None] * len(conv)
         for layer, block in enumerate(self.layers):
             if layer in recurrent_index and layer in attention_index:
                 m, a = recurrent_index[layer], attention_index[layer]
                 entry = (conv[m], ssm[m], k_pages[a], v_pages[a])
-                x, (conv[m], ssm[m], k_pages[a], v_pages[a]) = block(x, entry, meta)
+                x, (conv[m], ssm[m], k_pages[a], v_pages[a], *rest) = block(x, entry, meta)
+                pending[m] = rest[0] if rest else None
             elif layer in recurrent_index:
                 m = recurrent_index[layer]
-                x, (conv[m], ssm[m]) = block(x, (conv[m], ssm[m]), meta)
+                x, (conv[m], ssm[m], *rest) = block(x, (conv[m], ssm[m]), meta)
+                pending[m] = rest[0] if rest else None
             elif layer in attention_index:
                 a = attention_index[layer]
                 x, (k_pages[a], v_pages[a]) = block(x, (k_pages[a], v_pages[a]), meta)
             else:
                 x, _ = block(x, (), meta)
         hidden = self.norm_f(x)
-        return hidden, StateCache(tuple(conv), tuple(ssm), tuple(k_pages), tuple(v_pages))
+        cache = StateCache(tuple(conv), tuple(ssm), tuple(k_pages), tuple(v_pages))
+        if meta.verify is not None:
+            return hidden, cache, tuple(pending)
+        return hidden, cache
 
     def forward_logits(self, input_ids, cache, meta) -> tuple[jax.Array, StateCache]:
         """Logits for every token `[T, V]` and the new cache (also what `init` traces)."""

@@ -25,6 +25,16 @@ from jaxmamba.model.sampling import (
     record_tokens,
     sample,
 )
+from jaxmamba.model.speculative import (
+    NgramSpec,
+    SpecState,
+    commit_conv,
+    commit_state,
+    init_spec_state,
+    propose_ngram,
+    record_history,
+    verify_sample,
+)
 from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
 
 if TYPE_CHECKING:  # the model is a static argument: serving an exported artifact runs the
@@ -41,14 +51,19 @@ class SlotState(NamedTuple):
     # [MAX_PROMPT_LOGPROB_TOKENS, E] model dtype: at the prefill tokens that ask for
     # prompt_logprobs (`prompt_tokens_to_score`), in step order; padding repeats a position
     prompt_hidden: jax.Array
+    # Speculative decoding: each slot's length and token history (None: the runner does not
+    # speculate, and its steps carry nothing of it)
+    spec: SpecState | None = None
 
 
-def init_slot_state(cfg: ModelConfig, spec: CacheSpec, dtype) -> SlotState:
+def init_slot_state(cfg: ModelConfig, spec: CacheSpec, dtype,
+                    speculative: NgramSpec | None = None) -> SlotState:  # fmt: skip
     """A runner's first `SlotState` (under `jax.eval_shape`: its shapes)."""
     return SlotState(
         jnp.zeros(spec.num_slots + 1, jnp.int32),
         init_penalty_state(spec.num_slots, cfg.vocab_size),
         jnp.zeros((MAX_PROMPT_LOGPROB_TOKENS, cfg.hidden_size), dtype),
+        None if speculative is None else init_spec_state(spec.num_slots, speculative),
     )
 
 
@@ -61,7 +76,8 @@ def pack_sample_output(out: SampleOutput) -> jax.Array:
     return jnp.concatenate([*columns, out.top_ids, as_i32(out.top_logprobs)], axis=-1)
 
 
-def build_metadata(model: Mamba2HybridLM, spec: CacheSpec, inputs: StepInputs, num_decode: int):
+def build_metadata(model: Mamba2HybridLM, spec: CacheSpec, inputs: StepInputs, num_decode: int,
+                   num_spec: int = 0):  # fmt: skip
     return ForwardMetadata.build(
         inputs,
         num_decode=num_decode,
@@ -69,7 +85,25 @@ def build_metadata(model: Mamba2HybridLM, spec: CacheSpec, inputs: StepInputs, n
         page_size=spec.page_size,
         pad_page=spec.pad_page,
         pad_slot=spec.pad_slot,
+        num_spec=num_spec,
     )
+
+
+def verify_tokens(inputs: StepInputs, num_decode: int) -> int:
+    """k of a verify step (its rows carry 1 + k tokens), from its shapes; 0 for any other."""
+    num_tokens, num_rows = inputs.input_ids.shape[0], inputs.state_slots.shape[0]
+    if num_decode != num_rows or num_tokens == num_rows:
+        return 0
+    return num_tokens // num_rows - 1
+
+
+def _with_device_lens(inputs: StepInputs, state: SpecState) -> StepInputs:
+    """The rows that take their length from the device: `prefix_lens` from it, and
+    `sample_counters` shifted as much (a row's counter and length advance together)."""
+    shift = state.seq_lens[inputs.state_slots] - inputs.prefix_lens
+    shift = jnp.where(inputs.lens_from_device, shift, 0)
+    return inputs._replace(prefix_lens=inputs.prefix_lens + shift,
+                           sample_counters=inputs.sample_counters + shift)  # fmt: skip
 
 
 def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> jax.Array:
@@ -96,17 +130,32 @@ FULL, PLAIN, GREEDY = "full", "plain", "greedy"
 
 
 def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
-            num_decode, sampler: str = FULL):  # fmt: skip
+            num_decode, sampler: str = FULL, speculative: NgramSpec | None = None):  # fmt: skip
     """One engine step: forward, sample at each row's last token, remember the samples.
 
     The packed output has a row per step row. A bucket with prefill rows also keeps the
     hidden states of the prefill tokens that ask for prompt_logprobs (`SlotState.
     prompt_hidden`, for `score_fn`); forks' state copies are `fork_fn`'s. Inputs with a
     `token_bitmask` (structured outputs) are a program of their own, whatever the sampler:
-    the sampler masks with it (`sample`)."""
+    the sampler masks with it (`sample`).
+
+    `speculative` (a runner that speculates; its slot state has `spec`): a step whose rows
+    carry ``1 + k`` tokens is a verify step (`verify_step`); every step whose inputs have
+    `lens_from_device` reads those rows' lengths from the device and records every row's
+    length and fed tokens."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
     if isinstance(inputs, PackedStepInputs):
         inputs = inputs.unpack()
+    num_spec = verify_tokens(inputs, num_decode)
+    if num_spec:
+        if speculative is None or num_spec != speculative.num_tokens:
+            raise ValueError(f"a verify step of {num_spec} drafts a row, but the runner "
+                             f"speculates {speculative}")  # fmt: skip
+        return verify_step(params, cache, slot_state, inputs, model=model, spec=spec,
+                           sampler=sampler, speculative=speculative)  # fmt: skip
+    recording = inputs.lens_from_device is not None and slot_state.spec is not None
+    if recording:
+        inputs = _with_device_lens(inputs, slot_state.spec)
     meta = build_metadata(model, spec, inputs, num_decode)
     input_ids = _input_ids(inputs, slot_state.last_tokens, num_decode)
     hidden, cache = model.apply({"params": params}, input_ids, cache, meta)
@@ -142,7 +191,68 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
         ranks=sampler != GREEDY,
     )  # fmt: skip
     last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
-    return pack_sample_output(out), cache, SlotState(last_tokens, seen, prompt_hidden)
+    spec_state = slot_state.spec
+    if recording:
+        qsl = inputs.query_start_loc
+        if num_rows > num_decode:  # a request's first step: forget its slot's last occupant
+            first = jnp.where(inputs.penalty_reset, slots, spec.pad_slot)
+            spec_state = spec_state._replace(history=spec_state.history.at[first].set(-1))
+        token_slots = jnp.where(meta.token_valid, slots[meta.token_rows], spec.pad_slot)
+        spec_state = record_history(spec_state, token_slots, meta.positions, input_ids, slots,
+                                    inputs.prefix_lens + qsl[1:] - qsl[:-1])  # fmt: skip
+        if num_rows > num_decode and inputs.fork_src_slots is not None:
+            src, dst = inputs.fork_src_slots, inputs.fork_dst_slots
+            spec_state = spec_state._replace(
+                history=spec_state.history.at[dst].set(spec_state.history[src])
+            )
+    return pack_sample_output(out), cache, SlotState(last_tokens, seen, prompt_hidden, spec_state)
+
+
+def verify_step(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model,
+                spec, sampler: str, speculative: NgramSpec):  # fmt: skip
+    """A verify step (speculative decoding, `jaxmamba.model.speculative`): every row feeds its
+    last sampled token and k drafts proposed here from its slot's history, the target scores
+    the ``J = 1 + k`` positions, the accepted prefix is chosen, and the row's recurrent state
+    is written after it; the row's length, history and last token advance by what it kept.
+
+    Returns ``i32[B, 2 + J·(3 + 2·MAX_LOGPROBS)]``: per row the drafts accepted, whether it
+    proposed any (1/0), then each position's packed sample (`pack_sample_output`); the row
+    emits positions ``0..accepted``."""
+    state = slot_state.spec
+    inputs = _with_device_lens(inputs, state)
+    slots, lens = inputs.state_slots, inputs.prefix_lens
+    rows, k = slots.shape[0], speculative.num_tokens
+    last = slot_state.last_tokens[slots]
+    drafts, proposed = propose_ngram(state.history, lens, last, slots, speculative)
+    input_ids = jnp.concatenate([last[:, None], drafts], axis=1).reshape(-1)  # [B*J]
+    meta = build_metadata(model, spec, inputs, rows, num_spec=k)
+    hidden, cache, pending = model.apply({"params": params}, input_ids, cache, meta)
+    logits = model.apply({"params": params}, hidden, method="logits")  # [B*J, V]
+    out, accepted = verify_sample(
+        logits, drafts, proposed, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
+        inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
+        inputs.logit_bias_ids, inputs.logit_bias_values,
+        cutoff=sampler == FULL, top_logprobs=sampler == FULL, draw=sampler != GREEDY,
+        ranks=sampler != GREEDY,
+    )  # fmt: skip
+    kept = accepted + 1
+    conv, ssm = list(cache.conv), list(cache.ssm)
+    for m, p in enumerate(pending):
+        conv[m] = commit_conv(conv[m], p, slots, kept)
+        ssm[m] = commit_state(ssm[m], p, slots, kept)
+    cache = cache._replace(conv=tuple(conv), ssm=tuple(ssm))
+    emitted = out.tokens.reshape(rows, k + 1)
+    last_tokens = slot_state.last_tokens.at[slots].set(
+        jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
+    )
+    state = record_history(state, jnp.repeat(slots, k + 1), meta.positions, input_ids, slots,
+                           lens + kept)  # fmt: skip
+    packed = jnp.concatenate(
+        [accepted[:, None], proposed[:, None].astype(jnp.int32),
+         pack_sample_output(out).reshape(rows, -1)], axis=1,
+    )  # fmt: skip
+    return packed, cache, SlotState(last_tokens, slot_state.penalties, slot_state.prompt_hidden,
+                                    state)  # fmt: skip
 
 
 def prompt_tokens_to_score(
@@ -193,7 +303,7 @@ def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num
 # and cache shape (several `LLM`s, tests) shares one compiled executable per bucket.
 jitted_step = jax.jit(
     step_fn,
-    static_argnames=("model", "spec", "num_decode", "sampler"),
+    static_argnames=("model", "spec", "num_decode", "sampler", "speculative"),
     donate_argnames=("cache", "slot_state"),
 )
 jitted_logits = jax.jit(

@@ -45,12 +45,15 @@ def main() -> None:
     p.add_argument("--hlo-dir")
     p.add_argument("--temps", metavar="DUMP_DIR", help="the XLA_FLAGS --xla_dump_to folder")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--impl", default="auto", help="kernels (compile time with and without)")
     args = p.parse_args()
     cfg = load_config(args.model)
     dtype = DTYPES[args.dtype]
     ecfg = EngineConfig(max_model_len=args.max_model_len)
     spec = CacheSpec(args.slots, args.pages, ecfg.page_size, ecfg.ssm_dtype)
-    runner = ModelRunner(cfg, param_shapes(cfg, dtype), spec, dtype=dtype, allocate=False)
+    runner = ModelRunner(
+        cfg, param_shapes(cfg, dtype), spec, dtype=dtype, impl=args.impl, allocate=False
+    )
     builder = StepBuilder(spec, ecfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
     leaves = jax.tree.leaves(runner.cache)
     cache_gib = sum(a.size * jnp.dtype(a.dtype).itemsize for a in leaves) / GiB
