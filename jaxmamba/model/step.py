@@ -114,7 +114,10 @@ def _input_ids(inputs: StepInputs, last_tokens: jax.Array, num_decode: int) -> j
         last_tokens[inputs.state_slots[:num_decode]],
         inputs.input_ids[:num_decode],
     )
-    return inputs.input_ids.at[:num_decode].set(decode_ids)
+    # Not `.at[:num_decode].set`: where every row decodes, that scatter's index is a
+    # zero-sized constant, which a shard_map takes as an operand and XLA 0.11's SPMD
+    # partitioner segfaults on (scripts/dev/xla_tp_segfault.py).
+    return jax.lax.dynamic_update_slice(inputs.input_ids, decode_ids, (0,))
 
 
 # Traces (= compilations) of the jitted step per (model, cache spec) in this process.
