@@ -95,14 +95,23 @@ def prefill_flops(cfg: ModelConfig, params, batch: int, input_len: int) -> float
     return flops
 
 
-def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, dtype) -> float:
+def kv_itemsize(spec: CacheSpec, dtype) -> int:
+    """Bytes of one KV value in `spec`'s pages (FP8: 1)."""
+    from jaxmamba.model.cache import kv_dtype
+
+    return jnp.dtype(kv_dtype(spec, dtype)).itemsize
+
+
+def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, dtype,
+                 kv_bytes: int | None = None) -> float:  # fmt: skip
     """Bytes one decode step must move: every weight it uses once (of the routed experts, the
-    `experts_hit` by `batch` tokens under uniform routing), every row's state read+written, KV."""
+    `experts_hit` by `batch` tokens under uniform routing), every row's state read+written, KV
+    (`kv_bytes` a value; default the activations')."""
     routed, rest = _split_routed(params, lambda x: float(x.size * x.dtype.itemsize))
     weight_bytes = rest + (routed * experts_hit(cfg, batch) / cfg.num_experts if routed else 0.0)
     act = jnp.dtype(dtype).itemsize
     conv, state = cfg.slot_state_elements()
-    kv = 2 * context * cfg.num_key_value_heads * cfg.head_dim * act
+    kv = 2 * context * cfg.num_key_value_heads * cfg.head_dim * (kv_bytes or act)
     per_row = 2 * (state * 4 + conv * act) + cfg.num_attention_layers * kv
     return weight_bytes + batch * per_row
 
@@ -138,6 +147,7 @@ def bench_one_batch(
     impl: str = "auto",
     small_m_impl: str | None = None,
     ssm_dtype: str = "float32",
+    kv_dtype: str = "auto",
     repeats: int = 5,
     phases: tuple[str, ...] = ("prefill", "decode"),
     max_setup_tokens: int = 32768,
@@ -162,7 +172,8 @@ def bench_one_batch(
     program (the argmax alone, where it has the variants); ``time_full_sampler`` also times
     the same steps with the full sampler (``decode-full``), ``time_plain_sampler`` with the
     sort-free one that draws and ranks (``decode-plain``: rows that ask for logprobs 0, or
-    sample). ``ssm_dtype`` is the recurrent states' dtype (`EngineConfig.ssm_dtype`)."""
+    sample). ``ssm_dtype`` is the recurrent states' dtype (`EngineConfig.ssm_dtype`),
+    ``kv_dtype`` the KV pages' (`EngineConfig.kv_cache_dtype`: "auto" or "fp8")."""
     for name, value in (("batch", batch), ("input_len", input_len), ("output_len", output_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -172,7 +183,7 @@ def bench_one_batch(
     max_len = input_len + output_len + 1
     pages_per_seq = -(-max_len // page_size)
     spec = CacheSpec(num_slots=batch, num_pages=batch * pages_per_seq, page_size=page_size,
-                     ssm_dtype=ssm_dtype)  # fmt: skip
+                     ssm_dtype=ssm_dtype, kv_dtype=kv_dtype)  # fmt: skip
     runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl, small_m_impl=small_m_impl)
     builder = StepBuilder(spec, pages_per_seq, cfg.vocab_size, cfg.chunk_size)
     rng = np.random.default_rng(0)
@@ -248,7 +259,7 @@ def bench_one_batch(
         with jax.profiler.trace(f"{trace_dir}/decode", create_perfetto_trace=True):
             jax.block_until_ready(run_decode())
     context = input_len + output_len // 2
-    step_bytes = decode_bytes(cfg, params, batch, context, dtype)
+    step_bytes = decode_bytes(cfg, params, batch, context, dtype, kv_itemsize(spec, dtype))
     bw = step_bytes / t_decode / PEAK_HBM_BYTES
     results.append(BenchResult("decode", batch, input_len, t_decode, batch / t_decode, bw))
     others = {"decode-full": FULL} if time_full_sampler else {}

@@ -144,7 +144,8 @@ FIELDS: tuple[InputField, ...] = (
     InputField("fork_dst_pages", ("KF",), "int32", "pad_page", optional=True),
     # Structured outputs: the tokens each row may sample, bit i of word j allowing token
     # 32 j + i (`jaxmamba.structured.bitmask`); rows without a constraint allow all (-1).
-    # Sent only in steps with a constrained row, which run the sampler's constrained programs.
+    # The builder sends it only in steps with a constrained row; the runner gives the other
+    # steps of the programs that read it (FULL, `runner.takes_bitmask`) an all-allowing one.
     InputField("token_bitmask", ("B", "VW"), "int32", -1, optional=True, on_demand=True),
     # Speculative decoding: a decode row's length (its `prefix_lens`, and `sample_counters`
     # shifted alike) is the device's (`SpecState.seq_lens`), since the host does not know how
@@ -190,8 +191,8 @@ def padding(num_tokens: int, num_rows: int, max_pages_per_seq: int, spec: CacheS
 def with_on_demand_fields(inputs: StepInputs, vocab_size: int,
                           names: tuple[str, ...] = ("token_bitmask",)) -> StepInputs:  # fmt: skip
     """`inputs` with the fields sent on demand among `names` that it lacks, at their fill
-    values: a step of the programs that read them (the constrained samplers: the token
-    bitmask; a speculating engine's steps: `lens_from_device`) where no row uses them."""
+    values: a step of the programs that read them (FULL sampler programs: the token bitmask;
+    a speculating engine's steps: `lens_from_device`) where no row uses them."""
     sizes = {"T": len(inputs.input_ids), "B": len(inputs.state_slots),
              "VW": bitmask_words(vocab_size)}  # fmt: skip
     return inputs._replace(**{

@@ -21,13 +21,13 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if not _CUDA and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 # The xdist workers share one GPU: each takes memory as it needs it, not 75 % of it up front,
-# and at most its share of 80 % of it (the rest is the driver's: the workers' CUDA contexts,
+# and at most its share of 60 % of it (the rest is the driver's: the workers' CUDA contexts,
 # command buffers, cuBLAS workspaces). The share is also the limit an `LLM` sizes its cache
 # within (`memory_stats()["bytes_limit"]`), so one test's engine cannot starve the others.
 if _CUDA:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / _workers:.3f}")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.6 / _workers:.3f}")
 
 # `python -m pytest` from the checkout root puts the root first on sys.path, and with it our
 # `kernels/` folder (installed as `jaxmamba.kernels`) as a top-level package `kernels`. That

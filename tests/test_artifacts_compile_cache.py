@@ -57,9 +57,8 @@ def test_second_process_loads_every_bucket_from_the_cache(tmp_path):
     cache = tmp_path / "xla"
     cold, stderr = _run(cache)
     assert f"XLA compilation cache at {cache}" in stderr
-    # One decode bucket: its step, its two sampler variants, and the three's constrained twins
-    # (`ModelRunner.programs`).
-    assert cold["buckets"] == 1 and cold["programs"] == 6
+    # One decode bucket: its step and its two sampler variants (`ModelRunner.programs`).
+    assert cold["buckets"] == 1 and cold["programs"] == 3
     assert cold["traces"] == cold["programs"]
     assert cold["hits"] == 0 and cold["misses"] >= cold["programs"]
     entries = sorted(p.name for p in cache.iterdir())
@@ -86,8 +85,8 @@ def test_precompile_reuses_the_memory_probes_executables():
     """GPU memory sizing compiles the largest decode and prefill steps for XLA's memory
     analysis; with the cache sizes given, those probes have the engine's own shapes, and
     `precompile` takes their executables instead of tracing or compiling them again. It
-    compiles only the programs the probes lack: the decode bucket's sampler variants and
-    every program's constrained twin (structured outputs)."""
+    compiles only the programs the probes lack: the decode bucket's sampler variants (the
+    probes are FULL programs with the token bitmask, as the runner's are)."""
     import jax
     import jax.numpy as jnp
 
@@ -123,9 +122,8 @@ def test_precompile_reuses_the_memory_probes_executables():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     variants = [p for p in runner.programs(largest) if p[1] != "full"]
-    # the decode bucket's sort-free and argmax-only samplers, and the constrained twins of
-    # its three programs and of the prefill bucket's one
-    assert len(variants) == 2 + 4
+    # the decode bucket's sort-free and argmax-only samplers
+    assert len(variants) == 2
     side = 2  # with a prefill bucket: the fork and prompt_logprobs programs (run_side_programs)
     assert runner.num_compiles == probes + len(variants) + side, (
         "precompile traced a probed bucket again")  # fmt: skip

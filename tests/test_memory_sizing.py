@@ -145,9 +145,8 @@ def fake_device(monkeypatch):
 def xla_program_bytes(llm) -> dict[tuple, int]:
     """What each program the engine can run needs beyond its arguments, from XLA's memory
     analysis of the program compiled here on the engine's live (donated) arrays: every
-    bucket's step with each sampler program it runs (and their constrained twins), `fork_fn`
-    and `score_fn`. The step
-    programs need at least their packed samples."""
+    bucket's step with each sampler program it runs (FULL with the token bitmask), `fork_fn`
+    and `score_fn`. The step programs need at least their packed samples."""
     cfg, runner = llm.model_cfg, llm.runner
     builder = StepBuilder(runner.cache_spec, llm.engine_cfg.max_pages_per_seq, cfg.vocab_size,
                           cfg.chunk_size)  # fmt: skip
@@ -160,7 +159,7 @@ def xla_program_bytes(llm) -> dict[tuple, int]:
         return analysis.temp_size_in_bytes + max(unaliased, 0)
 
     for bucket, sampler in runner.programs(buckets):
-        inputs = runner.program_inputs((bucket, sampler), builder.padding)  # twins: + bitmask
+        inputs = runner.program_inputs((bucket, sampler), builder.padding)  # FULL: + bitmask
         args, kwargs = runner.step_args(inputs, bucket.num_decode, sampler)
         out[bucket, sampler] = need(runner_mod.jitted_step.lower(*args, **kwargs).compile())
         packed_samples = (
@@ -189,7 +188,6 @@ def given_sizes(params):
     with pytest.MonkeyPatch.context() as mp:
         fake = memory.DeviceMemory(LIMIT, IN_USE, "memory_stats")
         mp.setattr(memory, "device_memory", lambda device: fake)
-        mp.setenv("JAXMAMBA_STRUCTURED_OUTPUTS", "0")  # as `no_constrained_programs`
         llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params,
                   num_state_slots=4, num_pages=6, **TINY)  # fmt: skip
     return llm, xla_program_bytes(llm)
@@ -235,15 +233,6 @@ def test_the_programs_compiled_for_sizing_are_the_ones_the_engine_runs(fake_devi
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4),
                  use_tqdm=False)  # fmt: skip
     assert llm.runner.num_compiles == before
-
-
-@pytest.fixture(autouse=True)
-def no_constrained_programs(monkeypatch):
-    """Sizing here compiles every program of each engine, at every cache plan it tries; the
-    structured-outputs twins of every program would double them and overrun the memory-map
-    limit of XLA:CPU executables in one test (tests/test_structured_engine.py checks that the
-    twins are among the programs sized)."""
-    monkeypatch.setenv("JAXMAMBA_STRUCTURED_OUTPUTS", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -56,17 +56,24 @@ def constrained(max_tokens=80, **kwargs) -> SamplingParams:
 def llm():
     llm = LLM("nemotron-h-tiny", max_num_seqs=8, max_model_len=160, max_num_batched_tokens=64)
     # One decode bucket and one token bucket, and every batch prefills in one step: the tests
-    # run six programs (decode: greedy, and the greedy, plain and full constrained twins;
-    # prefill: full and its twin).
+    # run the decode bucket's full, plain and greedy programs and the prefill buckets' full
+    # ones, every FULL program with the bitmask.
     llm.engine.scheduler.use_buckets(decode=[8], tokens=[64])
-    dispatched = llm.dispatched = []  # (bucket, sampler, packed layout) of every step run
-    run_step = llm.runner._run_step
+    # (bucket, sampler, packed layout, whether the builder sent a bitmask) of every step run
+    dispatched = llm.dispatched = []
+    runner = llm.runner
+    run_step, step = runner._run_step, runner.step
+    built = []
+
+    def recording_step(inputs, num_decode, **kwargs):
+        built.append(inputs.token_bitmask is not None)
+        return step(inputs, num_decode, **kwargs)
 
     def recording(inputs, bucket, sampler):
-        dispatched.append((bucket, sampler, inputs.layout))
+        dispatched.append((bucket, sampler, inputs.layout, built.pop()))
         return run_step(inputs, bucket, sampler)
 
-    llm.runner._run_step = recording
+    runner.step, runner._run_step = recording_step, recording
     return llm
 
 
@@ -181,7 +188,7 @@ def test_completions_satisfy_their_constraints_beside_unconstrained_rows(llm):
     assert obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict), obj
     assert json.loads(obj.text), obj  # not just {}
     assert all(o.error is None for o in outs)
-    assert any(sampler.endswith("+grammar") for _, sampler, _ in llm.dispatched)
+    assert any(constrained for *_, constrained in llm.dispatched)
 
 
 def test_n_samples_each_follow_their_grammar(llm):
@@ -198,8 +205,8 @@ def test_n_samples_each_follow_their_grammar(llm):
 
 def test_a_constraint_with_a_reasoning_end_starts_after_it(llm):
     """The grammar starts after `reasoning_end_ids` (here "#", which the biased model writes
-    soon); what comes before is free, and rows in their free part still run the constrained
-    programs (an all-allowing mask)."""
+    soon); what comes before is free, and rows in their free part still carry their matcher's
+    mask (all-allowing) and run FULL."""
     bias = {ord("#"): 3.0, llm.tokenizer.eos_token_id: -100.0}
     constraint = StructuredOutputsParams(regex=REGEX, reasoning_end_ids=(ord("#"),))
     params = SamplingParams(max_tokens=120, temperature=1.0, seed=7, logit_bias=bias,
@@ -289,10 +296,12 @@ def test_wrong_types_and_unsupported_runners_are_refused(llm, monkeypatch):
     with pytest.raises(TypeError, match="choice"):
         StructuredOutputsParams(choice="red")
     monkeypatch.setattr(llm.runner, "structured_outputs", False)
-    refusal = "constrained sampler programs.*an exported artifact holds none"
+    refusal = "FULL sampler programs that take the token bitmask.*an exported artifact"
     with pytest.raises(ValueError, match=refusal):
         llm.generate(["x"], constrained(choice=CHOICES), use_tqdm=False)
+    steps = len(llm.dispatched)
     assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    del llm.dispatched[steps:]  # FULL without the bitmask: not this engine's program
 
 
 def test_a_grammar_that_fails_to_compile_fails_its_request_in_the_streaming_engine(
@@ -323,10 +332,13 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_in_the_streaming_engi
     assert final["good"].outputs[0].text in CHOICES and final["good"].error is None
 
 
-def test_constrained_programs_are_warmed_up_and_nothing_recompiles(llm):
+def test_every_full_program_takes_the_bitmask_and_nothing_recompiles(llm):
     """Every step ran a program `programs` lists (what precompile and memory sizing compile),
-    with the inputs its warm-up builds, and only constrained ones carry the bitmask; a batch
-    like the last but for its grammars compiles nothing."""
+    with the inputs its warm-up builds: every FULL program carries the bitmask (all-allowing
+    unless a row has a grammar), PLAIN and GREEDY none, and a step with a constrained row runs
+    FULL; the programs are as many as with structured outputs off. A batch like the last but
+    for its grammars compiles nothing."""
+    from jaxmamba.engine.runner import FULL
     from jaxmamba.model.metadata import PackedStepInputs
 
     def run(enum, regex):
@@ -343,11 +355,20 @@ def test_constrained_programs_are_warmed_up_and_nothing_recompiles(llm):
     run([4, 5, 6], "[a-z]{3}")
     assert llm.runner.num_compiles == compiles
     runner, engine = llm.runner, llm.engine
-    programs = runner.programs(engine.scheduler.all_buckets())
-    for bucket, sampler, layout in llm.dispatched:
+    # plain greedy rows: the decode steps run GREEDY
+    llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    buckets = engine.scheduler.all_buckets()
+    programs = runner.programs(buckets)
+    decode = [b for b in buckets if b.num_decode == b.num_rows]
+    assert len(programs) == len(buckets) + 2 * len(decode)  # no program twice for the bitmask
+    seen = set()
+    for bucket, sampler, layout, constrained_row in llm.dispatched:
         program = next(p for p in programs if p[1] == sampler
                        and (p[0].num_tokens, p[0].num_rows, p[0].num_decode) == bucket)  # fmt: skip
         warm_up = runner.program_inputs(program, engine.builder.padding)
         assert PackedStepInputs.pack(warm_up).layout == layout, program
         has_bitmask = "token_bitmask" in [name for name, _, _ in layout]
-        assert has_bitmask == sampler.endswith("+grammar"), program
+        assert has_bitmask == (sampler == FULL), program
+        assert sampler == FULL or not constrained_row, program
+        seen.add((sampler, constrained_row))
+    assert {("full", True), ("full", False), ("greedy", False)} <= seen, seen

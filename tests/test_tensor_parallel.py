@@ -248,6 +248,7 @@ def test_multihost_leader_sends_each_step_first_and_runs_the_full_sampler(monkey
 
     class Runner(StepRunner):
         cache_spec = CacheSpec(num_slots=2, num_pages=2, page_size=16)
+        structured_outputs = False  # no model vocabulary here for the FULL step's bitmask
 
         def held_samplers(self, bucket):
             return (FULL, PLAIN, GREEDY)

@@ -130,3 +130,22 @@ def test_gdn_model_steps_compile_deviceless_with_libtpu(tpu_python):
     kernels = {k: set(v.split(" kernels ")[1].split()[0].split(",")) for k, v in lines.items()}
     assert {"causal_conv1d_update", "gdn_decode_tpu"} <= kernels["T=1"], lines
     assert {"causal_conv1d_varlen", "gdn_prefill_tpu"} <= kernels["T=64"], lines
+
+
+def test_int8_model_with_fp8_pages_compiles_deviceless_with_libtpu(tpu_python):
+    """`jaxmamba aot --quantization int8 --kv-cache-dtype fp8`: the tiny model's decode and
+    prefill steps with int8 weights (weight-only: converted in the step, the TPU's MXU has no
+    FP8) and FP8 KV pages (upcast tile by tile in the Mosaic attention kernel) compile for one
+    v6e chip."""
+    cmd = [tpu_python, "-m", "jaxmamba.cli", "aot", "--model", "nemotron-h-tiny",
+           "--topology", "v6e:2x2", "--max-num-seqs", "1", "--max-model-len", "32",
+           "--max-num-batched-tokens", "16", "--buckets", "1x1x1", "16x1x0",
+           "--quantization", "int8", "--kv-cache-dtype", "fp8"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_tpu_env(),
+                         cwd=ROOT)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "int8 weights, fp8 KV cache" in run.stdout, run.stdout
+    assert "kv_dtype='fp8'" in run.stdout, run.stdout
+    assert "2/2 programs fit one v6e chip's HBM" in run.stdout, run.stdout
+    lines = [line for line in run.stdout.splitlines() if line.startswith("T=")]
+    assert len(lines) == 2 and all("paged_attention_tpu" in line for line in lines), lines

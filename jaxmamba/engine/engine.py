@@ -267,7 +267,7 @@ class LLMEngine:
         enforce (an unsatisfiable schema). Raises ValueError at once for what shows without
         compiling: a malformed schema, regex or grammar, a JSON-schema keyword the engine does
         not enforce (`jaxmamba.structured.validate`), a model without a tokenizer, or a runner
-        without the constrained sampler programs (an exported artifact)."""
+        whose FULL programs take no token bitmask (an exported artifact)."""
         if not isinstance(constraint, StructuredOutputsParams):
             raise TypeError(
                 f"structured_outputs must be a StructuredOutputsParams, got "
@@ -277,9 +277,10 @@ class LLMEngine:
             raise ValueError("structured outputs need a tokenizer; this model has none")
         if not self.runner.structured_outputs:
             raise ValueError(
-                f"structured outputs need the constrained sampler programs, which this engine's "
-                f"{type(self.runner).__name__} does not have: an exported artifact holds none "
-                f"(serve the model itself), and JAXMAMBA_STRUCTURED_OUTPUTS=0 leaves them out"
+                f"structured outputs need FULL sampler programs that take the token bitmask, "
+                f"which this engine's {type(self.runner).__name__} does not have: an exported "
+                f"artifact's take none (serve the model itself), and "
+                f"JAXMAMBA_STRUCTURED_OUTPUTS=0 builds them without it"
             )
         if self.runner.send_step is not None:
             raise ValueError("structured outputs do not run over several processes yet")
@@ -457,6 +458,8 @@ class LLMEngine:
                 inputs = self.builder.build(
                     scheduled.specs, scheduled.bucket, scheduled.num_decode_rows
                 )
+                # The builder's bitmask: some row has a grammar. (The runner gives every
+                # other FULL step an all-allowing one, which needs no read-back.)
                 scheduled.constrained = inputs.token_bitmask is not None
                 packed = self._step(scheduled, inputs)
             self.scheduler.record_dispatched(scheduled)

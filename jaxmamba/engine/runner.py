@@ -12,15 +12,13 @@ branch, `tests/test_no_host_sync.py`). Each gives the tokens, logprobs and ranks
 gives for the rows it runs. `JAXMAMBA_SAMPLER_VARIANTS=0` turns the variants off (one program
 a bucket).
 
-Structured outputs: a step with a constrained row carries the token bitmask
-(`step_contract` field `token_bitmask`, sent on demand), and runs the *constrained twin* of the
-sampler program it would run (`constrained(sampler)`: "greedy+grammar", ...), the same program
-with the mask applied before the temperature. The twins are part of `programs`, so warm-up and
-memory sizing compile them; a step without a constrained row runs, and sends, what it would
-without the feature. A runner whose programs cannot take the mask (an exported artifact holds
-none) says so (`StepRunner.structured_outputs`), and the engine refuses constrained requests.
-The twins double the programs warm-up and memory sizing compile; `JAXMAMBA_STRUCTURED_OUTPUTS=0`
-leaves them out (and constrained requests are refused).
+Structured outputs: the FULL program of every bucket but a verify bucket's takes the token
+bitmask (`step_contract` field `token_bitmask`) when the runner serves structured outputs
+(`StepRunner.structured_outputs`); PLAIN and GREEDY never do, so the programs are as many as
+without the feature. A step whose builder sent a bitmask (a constrained row) runs FULL; a FULL
+step without one gets an all-allowing bitmask here (one cached array per row count). A runner
+whose FULL programs take no mask (an exported artifact; `JAXMAMBA_STRUCTURED_OUTPUTS=0`) says
+so, and the engine refuses constrained requests.
 
 Two rare kinds of work run as programs of their own, dispatched after a step only when one
 of its rows asks (`ModelRunner.step` decides from the host inputs; one program each, whatever
@@ -75,24 +73,9 @@ from jaxmamba.step_contract import (
 
 __all__ = [
     "FULL", "GREEDY", "PLAIN", "TRACE_COUNTS", "ModelRunner", "StepOutput", "StepRunner",
-    "constrained", "fork_fn", "jitted_step", "logits_fn", "score_fn", "step_fn",
-    "step_temporary_bytes",
+    "fork_fn", "jitted_step", "logits_fn", "score_fn", "step_fn", "step_temporary_bytes",
+    "takes_bitmask",
 ]  # fmt: skip
-
-# The suffix of a constrained sampler program's name: "full+grammar" is FULL with the token
-# bitmask applied.
-CONSTRAINED = "+grammar"
-
-
-def constrained(sampler: str) -> str:
-    """The constrained twin of a sampler program (the token bitmask applied)."""
-    return sampler + CONSTRAINED
-
-
-def base_sampler(sampler: str) -> str:
-    """The sampler program `sampler` is, or is the constrained twin of: FULL, PLAIN or GREEDY
-    (the step's static `sampler` argument; the mask comes with the inputs' layout)."""
-    return sampler.removesuffix(CONSTRAINED)
 
 
 class StepOutput(NamedTuple):
@@ -182,10 +165,8 @@ def choose_sampler(inputs: StepInputs, num_decode: int, top_logprobs: bool, voca
 
 
 def sampler_flags(sampler: str) -> dict:
-    """The `step` keywords that select ``sampler`` (or its constrained twin, for inputs with
-    the token bitmask) for a pure decode step of padding rows (greedy, no penalties): what no
-    row of such a step reads."""
-    sampler = base_sampler(sampler)
+    """The `step` keywords that select ``sampler`` for a pure decode step of padding rows
+    (greedy, no penalties): what no row of such a step reads."""
     return {"top_logprobs": sampler == FULL, "ranks": sampler != GREEDY}
 
 
@@ -199,11 +180,24 @@ def fallback_sampler(sampler: str, held) -> str:
     return FULL
 
 
-def constrained_programs_enabled() -> bool:
-    """Whether a `ModelRunner` holds the constrained twins of its programs
-    (`JAXMAMBA_STRUCTURED_OUTPUTS=0`: never; half the programs to compile, and the engine
-    refuses constrained requests)."""
+def structured_outputs_enabled() -> bool:
+    """Whether a `ModelRunner`'s FULL programs take the token bitmask
+    (`JAXMAMBA_STRUCTURED_OUTPUTS=0`: never, and the engine refuses constrained requests)."""
     return os.environ.get("JAXMAMBA_STRUCTURED_OUTPUTS", "1") != "0"
+
+
+def takes_bitmask(bucket: tuple[int, int, int], sampler: str) -> bool:
+    """Whether the step program `(bucket, sampler)` of a runner that serves structured outputs
+    takes the token bitmask: FULL, in any bucket `(num_tokens, num_rows, num_decode)` but a
+    verify bucket's (speculative decoding: its rows carry no grammar)."""
+    num_tokens, num_rows, num_decode = bucket
+    verify = num_decode == num_rows and num_tokens != num_rows
+    return sampler == FULL and not verify
+
+
+def all_allowed_bitmask(inputs: StepInputs, vocab_size: int) -> StepInputs:
+    """`inputs` with a token bitmask that allows every token (-1 words) where they have none."""
+    return with_on_demand_fields(inputs, vocab_size, ("token_bitmask",))
 
 
 def default_compile_workers() -> int:
@@ -285,8 +279,7 @@ class StepRunner:
     slot_state: object = None
     # Whether decode steps may run the PLAIN and GREEDY sampler programs.
     sampler_variants: bool = True
-    # Whether it has the constrained twin of every sampler program (steps with a token
-    # bitmask: structured outputs).
+    # Whether its FULL programs take the token bitmask (`takes_bitmask`; structured outputs).
     structured_outputs: bool = True
     # Called with each step's host inputs and `num_decode` before it is dispatched, and
     # returns the inputs to run: the several-host leader sends them to its followers
@@ -298,6 +291,7 @@ class StepRunner:
 
     def __init__(self):
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
+        self._all_allowed: dict[int, np.ndarray] = {}  # rows -> i32[B, VW] of -1, read-only
 
     # -- what a subclass provides -------------------------------------------------------------
     def held_samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
@@ -347,46 +341,56 @@ class StepRunner:
 
     def samplers(self, bucket: tuple[int, int, int]) -> tuple[str, ...]:
         """The sampler programs `step` runs for a bucket (the full one alone with the variants
-        off), and their constrained twins where this runner has them."""
-        held = self.held_samplers(bucket) if self.sampler_variants else (FULL,)
-        if self.structured_outputs:
-            held = (*held, *map(constrained, held))
-        return held
+        off)."""
+        return self.held_samplers(bucket) if self.sampler_variants else (FULL,)
 
     def programs(self, buckets) -> list[tuple]:
         """`(bucket, sampler)` of every program `step` can run for these buckets."""
-        names = (FULL, PLAIN, GREEDY)
-        return [(b, sampler) for sampler in (*names, *map(constrained, names)) for b in buckets
+        return [(b, sampler) for sampler in (FULL, PLAIN, GREEDY) for b in buckets
                 if sampler in self.samplers((b.num_tokens, b.num_rows, b.num_decode))]  # fmt: skip
 
     def program_inputs(self, program: tuple, build_inputs) -> StepInputs:
         """Padding inputs of a step program `(bucket, sampler)`: `build_inputs(bucket)`, with
-        the token bitmask (allowing every token) for a constrained program."""
+        the all-allowing token bitmask where the program takes one (`takes_bitmask`)."""
         bucket, sampler = program
-        inputs = build_inputs(bucket)
-        if sampler != base_sampler(sampler):
-            inputs = with_on_demand_fields(inputs, self.cfg.vocab_size)
-        return inputs
+        key = (bucket.num_tokens, bucket.num_rows, bucket.num_decode)
+        return self._with_bitmask(build_inputs(bucket), key, sampler)
+
+    def _with_bitmask(self, inputs: StepInputs, bucket: tuple[int, int, int], sampler: str
+                      ) -> StepInputs:  # fmt: skip
+        """`inputs`, with an all-allowing token bitmask if the program takes one and they have
+        none: one read-only array per row count, kept (16 KiB a row for a 9B vocabulary),
+        which the step's packing copies."""
+        if (inputs.token_bitmask is not None or not self.structured_outputs
+                or not takes_bitmask(bucket, sampler)):  # fmt: skip
+            return inputs
+        rows = bucket[1]
+        mask = self._all_allowed.get(rows)
+        if mask is None:
+            mask = all_allowed_bitmask(inputs, self.cfg.vocab_size).token_bitmask
+            mask.flags.writeable = False
+            mask = self._all_allowed.setdefault(rows, mask)
+        return inputs._replace(token_bitmask=mask)
 
     def sampler_variant(self, inputs: StepInputs, num_decode: int, top_logprobs: bool, *,
                         ranks: bool = True) -> str:  # fmt: skip
-        """The sampler program `step` runs for these inputs: the cheapest that serves them
-        (`choose_sampler`), or the next dearer one this runner holds (`fallback_sampler`);
-        its constrained twin for inputs with a token bitmask."""
-        sampler = FULL
-        if self.sampler_variants:
-            sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
-                                     ranks=ranks)  # fmt: skip
-            held = self.held_samplers(step_bucket(inputs, num_decode))
-            sampler = fallback_sampler(sampler, held)
-        if inputs.token_bitmask is None:
-            return sampler
-        if not self.structured_outputs:
-            raise ValueError(
-                f"a step with a token bitmask (structured outputs), but {type(self).__name__} "
-                f"has no constrained sampler programs"
-            )
-        return constrained(sampler)
+        """The sampler program `step` runs for these inputs: FULL for inputs with a token
+        bitmask (a constrained row), else the cheapest that serves them (`choose_sampler`),
+        or the next dearer one this runner holds (`fallback_sampler`)."""
+        if inputs.token_bitmask is not None:
+            bucket = step_bucket(inputs, num_decode)
+            if not self.structured_outputs or not takes_bitmask(bucket, FULL):
+                raise ValueError(
+                    f"a step of bucket (num_tokens, num_rows, num_decode)={bucket} with a token "
+                    f"bitmask (structured outputs), but {type(self).__name__} has no program "
+                    f"of that bucket that takes one"
+                )
+            return FULL
+        if not self.sampler_variants:
+            return FULL
+        sampler = choose_sampler(inputs, num_decode, top_logprobs, self.cfg.vocab_size,
+                                 ranks=ranks)  # fmt: skip
+        return fallback_sampler(sampler, self.held_samplers(step_bucket(inputs, num_decode)))
 
     def step(self, inputs: StepInputs, num_decode: int, *, top_logprobs: bool = True,
              ranks: bool = True) -> StepOutput:  # fmt: skip
@@ -402,6 +406,7 @@ class StepRunner:
         forks = asked_forks(inputs, num_decode, self.cache_spec.pad_slot)
         targets = asked_targets(inputs.prompt_logprob_targets, num_decode)
         bucket = step_bucket(inputs, num_decode)
+        inputs = self._with_bitmask(inputs, bucket, sampler)
         with jax.transfer_guard_host_to_device("allow"):  # the step's inputs, and only they
             packed = self._run_step(PackedStepInputs.pack(inputs), bucket, sampler)
         self.variant_steps[sampler] += 1
@@ -554,7 +559,7 @@ class ModelRunner(StepRunner):
                                                            mesh_plan.mesh)  # fmt: skip
         # The sampler variants of decode steps (the sharded step has the full one only).
         self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
-        self.structured_outputs = constrained_programs_enabled()
+        self.structured_outputs = structured_outputs_enabled()
 
     @property
     def num_compiles(self) -> int:
@@ -580,7 +585,6 @@ class ModelRunner(StepRunner):
         return logits
 
     def _run_step(self, inputs: PackedStepInputs, bucket: tuple[int, int, int], sampler: str):
-        sampler = base_sampler(sampler)  # a constrained twin: the mask is in the inputs' layout
         kwargs = {} if sampler == FULL else {"sampler": sampler}
         packed, self.cache, self.slot_state = self._jit_step(
             self.params, self.cache, self.slot_state, self._put_inputs(inputs),
@@ -601,8 +605,8 @@ class ModelRunner(StepRunner):
         these inputs, packed as `step` passes them (lowering, export: the FULL sampler, as
         `step` calls it)."""
         kwargs = dict(num_decode=num_decode, **self._step_static)
-        if base_sampler(sampler) != FULL:
-            kwargs["sampler"] = base_sampler(sampler)
+        if sampler != FULL:
+            kwargs["sampler"] = sampler
         if isinstance(inputs, StepInputs):
             inputs = PackedStepInputs.pack(inputs)
         return (self.params, self.cache, self.slot_state, inputs), kwargs
@@ -636,10 +640,14 @@ def step_temporary_bytes(
     speculative: NgramSpec | None = None,
 ) -> int:
     """Device bytes one step of this bucket needs beyond its arguments: XLA's memory analysis
-    of the compiled step (temporaries, and outputs that do not alias a donated input). Only
-    shapes are used: nothing is allocated or run. Sharded (`tensor_parallel_size > 1`): one
-    device's. `speculative`: the step of a runner that speculates (a verify bucket's too)."""
+    of the compiled FULL program, as a `ModelRunner` compiles it (temporaries, and outputs
+    that do not alias a donated input; host inputs get the token bitmask where it takes one,
+    `takes_bitmask`). Only shapes are used: nothing is allocated or run. Sharded
+    (`tensor_parallel_size > 1`): one device's. `speculative`: the step of a runner that
+    speculates (a verify bucket's too)."""
     if isinstance(inputs, StepInputs):  # as `step` passes them: the same program
+        if structured_outputs_enabled() and takes_bitmask(step_bucket(inputs, num_decode), FULL):
+            inputs = all_allowed_bitmask(inputs, cfg.vocab_size)
         inputs = PackedStepInputs.pack(inputs)
     from jaxmamba.model.model import Mamba2HybridLM
 

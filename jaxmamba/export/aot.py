@@ -100,6 +100,7 @@ def aot_compile(
     topology: str = "v6e:2x2",
     dtype: str = "bfloat16",
     engine: dict | None = None,
+    quantization: str | None = None,
     buckets: Sequence[tuple[int, int, int]] | None = None,
     serialize: str | None = None,
     impl: str = "auto_tpu",
@@ -108,19 +109,20 @@ def aot_compile(
     """Compile every bucket's step (or `buckets`, as (num_tokens, num_rows, num_decode)) for
     one chip of `topology`; returns the reports (and prints them through `say`).
     `serialize`: a folder for the compiled executables (`jax.experimental.serialize_executable`
-    payloads, pickled with their pytrees, one file a bucket)."""
+    payloads, pickled with their pytrees, one file a bucket). `quantization` ("fp8", "int8"):
+    the weights as `quantization=` loads them (shapes and dtypes only; a quantized checkpoint's
+    are read to learn them); the KV pages' dtype is the `engine`'s `kv_cache_dtype`."""
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from jaxmamba.engine.batch import Bucket, StepBuilder
     from jaxmamba.engine.config import EngineConfig
     from jaxmamba.engine.scheduler import Scheduler
-    from jaxmamba.export.writer import _flat_step, step_specs
+    from jaxmamba.export.writer import _flat_step, param_tree, step_specs
     from jaxmamba.model.cache import CacheSpec, cache_shapes
     from jaxmamba.model.dtypes import DTYPES
     from jaxmamba.model.families import load_config
     from jaxmamba.model.model import Mamba2HybridLM
-    from jaxmamba.model.params import param_shapes
 
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
@@ -145,6 +147,7 @@ def aot_compile(
         num_pages=engine_cfg.pages,
         page_size=engine_cfg.page_size,
         ssm_dtype=engine_cfg.ssm_dtype,
+        kv_dtype=engine_cfg.kv_cache_dtype,
     )
     all_buckets = Scheduler(cfg, engine_cfg).all_buckets()
     if buckets is not None:
@@ -154,7 +157,7 @@ def aot_compile(
         if missing:
             raise ValueError(f"buckets {sorted(missing)} are not among the scheduler's")
     builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
-    params_tree = param_shapes(cfg, jdtype)
+    params_tree = param_tree(model, cfg, jdtype, quantization)
     weights, cache = _nbytes(params_tree), _nbytes(cache_shapes(cfg, spec, jdtype))
     net = Mamba2HybridLM(cfg, jdtype, impl)
     lower_sharded = None
@@ -174,8 +177,11 @@ def aot_compile(
                                           dtype=jdtype, impl=impl)  # fmt: skip
         say(mesh_plan.plan.describe())
     where = f"one {device.device_kind}" if tp == 1 else f"{tp} x {device.device_kind} (TP {tp})"
+    weights_kind = jnp_name(jdtype) + (f", {quantization} weights" if quantization else "")
+    if engine_cfg.kv_cache_dtype != "auto":
+        weights_kind += f", {engine_cfg.kv_cache_dtype} KV cache"
     say(
-        f"{cfg.name or model} ({jnp_name(jdtype)}) on {where} of {topology} "
+        f"{cfg.name or model} ({weights_kind}) on {where} of {topology} "
         f"({chip}: {hbm / 2**30:.2f} GiB HBM, {peak_flops / 1e12:.0f} TFLOP/s, "
         f"{peak_bw / 1e9:.0f} GB/s); {len(all_buckets)} buckets; cache {spec}"
     )

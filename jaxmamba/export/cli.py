@@ -50,6 +50,7 @@ def cmd_export(args) -> int:
         dtype=args.dtype,
         seed=args.seed,
         engine=_engine_fields(args),
+        quantization=args.quantization,
         weights=args.weights,
         overwrite=args.overwrite,
         executables=args.executables,
@@ -67,7 +68,7 @@ def add_parsers(sub) -> None:
         help="write a serving artifact: every bucket's jax.export step, Orbax weights, manifest",
     )
     add_model_arg(exp)
-    add_setting_args(exp, RunConfig, ("dtype", "seed"))
+    add_setting_args(exp, RunConfig, ("dtype", "seed", "quantization"))
     add_engine_args(exp)
     exp.add_argument("--no-prefix-caching", action=_NoPrefixCaching,
                      help="deprecated: --no-enable-prefix-caching")  # fmt: skip
@@ -129,6 +130,7 @@ def cmd_aot(args) -> int:
         topology=args.topology,
         dtype=args.dtype if args.dtype != "auto" else "bfloat16",
         engine=_engine_fields(args),
+        quantization=args.quantization,
         buckets=args.buckets,
         serialize=args.serialize,
         say=lambda line: print(line, flush=True),
@@ -152,7 +154,7 @@ def add_more_parsers(sub) -> None:
         "report memory against HBM, FLOPs and estimated step times",
     )
     add_model_arg(aot)
-    add_setting_args(aot, RunConfig, ("dtype", "seed"))
+    add_setting_args(aot, RunConfig, ("dtype", "seed", "quantization"))
     add_engine_args(aot)
     aot.add_argument("--platform", default="tpu", choices=["tpu"], help="(default: tpu)")
     aot.add_argument("--topology", default="v6e:2x2", help="v5e:2x2, v6e:2x2, v5p:2x2x1, ...")

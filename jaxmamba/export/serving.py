@@ -59,8 +59,9 @@ def _bucket_key(entry: dict) -> tuple[int, int, int]:
 class ArtifactRunner(StepRunner):
     """A `StepRunner` on an artifact's exported steps. `params`: the flat weight leaves in
     the exported order (from the artifact's Orbax checkpoint, or given). A decode bucket
-    exported with its sampler variants runs them when `ModelRunner` would. Artifacts hold no
-    constrained sampler programs: the engine refuses structured-output requests on one."""
+    exported with its sampler variants runs them when `ModelRunner` would. An artifact's
+    FULL programs take no token bitmask (the exporter builds them from padding without one):
+    the engine refuses structured-output requests on one."""
 
     structured_outputs = False
 

@@ -205,12 +205,27 @@ def _setup(model: str, engine: dict | None, dtype: str):
     spec = CacheSpec(
         num_slots=engine_cfg.state_slots, num_pages=engine_cfg.pages,
         page_size=engine_cfg.page_size, ssm_dtype=engine_cfg.ssm_dtype,
+        kv_dtype=engine_cfg.kv_cache_dtype,
     )  # fmt: skip
     builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
     return dtype_name, cfg, engine_cfg, spec, builder, tokenizer
 
 
 _WORKER_SETUP: dict = {}  # in an export worker process: (model, engine, dtype) -> _setup(...)
+
+
+def param_tree(model: str, cfg, dtype, quantization: str | None = None, params=None):
+    """The step's parameters as `ShapeDtypeStruct`s: `params`' when given, else the model's
+    (`param_shapes`) quantized as `quantization` says — or, for a quantized checkpoint, as it
+    loads (read here)."""
+    from jaxmamba.model.params import quantized_param_shapes
+    from jaxmamba.model.weights import checkpoint_quantization, load_params
+
+    if params is None and checkpoint_quantization(model) is not None:
+        params = load_params(model, cfg, dtype, 0, quantization)
+    if params is not None:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    return quantized_param_shapes(cfg, dtype, quantization)
 
 
 def _worker_init() -> None:
@@ -224,17 +239,18 @@ def _export_job(job) -> tuple[bytes, float]:
     program, and the seconds its tracing and lowering took."""
     from jaxmamba.engine.batch import Bucket
     from jaxmamba.model.dtypes import DTYPES
-    from jaxmamba.model.params import param_shapes
 
-    model, engine, dtype, bucket, platform, sampler = job
-    key = (model, json.dumps(engine, sort_keys=True), dtype)
+    model, engine, dtype, quantization, bucket, platform, sampler = job
+    key = (model, json.dumps(engine, sort_keys=True), dtype, quantization)
     if key not in _WORKER_SETUP:
-        _WORKER_SETUP[key] = _setup(model, engine, dtype)
-    dtype_name, cfg, _, spec, builder, _ = _WORKER_SETUP[key]
+        dtype_name, cfg, *rest = _setup(model, engine, dtype)
+        tree = param_tree(model, cfg, DTYPES[dtype_name], quantization)
+        _WORKER_SETUP[key] = (dtype_name, cfg, *rest, tree)
+    dtype_name, cfg, _, spec, builder, _, tree = _WORKER_SETUP[key]
     jdtype = DTYPES[dtype_name]
     start = time.perf_counter()
-    exp = export_step(cfg, spec, jdtype, param_shapes(cfg, jdtype), builder, Bucket(*bucket),
-                      platform, sampler=sampler)  # fmt: skip
+    exp = export_step(cfg, spec, jdtype, tree, builder, Bucket(*bucket), platform,
+                      sampler=sampler)  # fmt: skip
     return exp.serialize(), time.perf_counter() - start
 
 
@@ -261,6 +277,7 @@ def export_artifact(
     dtype: str = "auto",
     seed: int = 0,
     engine: dict | None = None,
+    quantization: str | None = None,
     weights: bool = True,
     buckets: Sequence | None = None,
     params=None,
@@ -275,6 +292,9 @@ def export_artifact(
 
     `platforms`: the `jax.export` platforms to export for (cpu, cuda, tpu); default this
     process's own, so the artifact serves on the machine that exported it.
+    `quantization` ("fp8", "int8"; `RunConfig.quantization`): the weights quantized at load
+    (a quantized checkpoint's are exported as it holds them); the FP8 KV cache is the
+    `engine`'s `kv_cache_dtype`. `params` given: those, as they are.
     `buckets`: the `Bucket`s to export (default: every bucket the scheduler can use, what
     `precompile` compiles); an artifact serves only steps of the buckets it holds.
     `weights=False` (`--no-weights`) leaves the weights out: `LLM(out, params=...)` or
@@ -292,7 +312,6 @@ def export_artifact(
     from jaxmamba.model.cache import cache_shapes
     from jaxmamba.model.dtypes import DTYPES
     from jaxmamba.model.orbax_io import flat_specs, save_params
-    from jaxmamba.model.params import param_shapes
     from jaxmamba.model.weights import load_params
     from jaxmamba.step_contract import StepInputs
 
@@ -315,7 +334,11 @@ def export_artifact(
     jdtype = DTYPES[dtype_name]
     all_buckets = Scheduler(cfg, engine_cfg).all_buckets()
     buckets = list(all_buckets if buckets is None else buckets)
-    params_tree = param_shapes(cfg, jdtype)
+    if params is None and weights:
+        start = time.perf_counter()
+        params = load_params(model, cfg, jdtype, seed, quantization)
+        say(f"weights: loaded in {time.perf_counter() - start:.1f} s")
+    params_tree = param_tree(model, cfg, jdtype, quantization, params)
     if sampler_variants is None:
         sampler_variants = variants_enabled()
 
@@ -324,16 +347,14 @@ def export_artifact(
 
     exported = {}  # (bucket, platform, sampler) -> serialized step, from the workers
     if workers > 1:
-        jobs = [(str(model), engine, dtype, dataclasses.astuple(b), p, s)
+        jobs = [(str(model), engine, dtype, quantization, dataclasses.astuple(b), p, s)
                 for b in buckets for p in platforms for s in samplers(b)]  # fmt: skip
         for job, (blob, _) in zip(jobs, _export_in_workers(jobs, workers, say), strict=True):
-            exported[job[3:]] = blob
+            exported[job[4:]] = blob
 
     weights_entry = None
     if weights:
         start = time.perf_counter()
-        if params is None:
-            params = load_params(model, cfg, jdtype, seed)
         save_params(tmp / "weights", params)
         tensors = {k: {"shape": list(s), "dtype": d} for k, (s, d) in flat_specs(params).items()}
         weights_entry = {"path": "weights", "format": "orbax", "tensors": tensors}
@@ -414,6 +435,7 @@ def export_artifact(
         "impls": {p: PLATFORM_IMPLS[p] for p in platforms},
         "model": cfg.to_dict(),
         "dtype": dtype_name,
+        "quantization": quantization,
         "engine": dataclasses.asdict(engine_cfg),
         "cache": spec._asdict(),
         "input_fields": list(StepInputs._fields),

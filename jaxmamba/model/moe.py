@@ -16,9 +16,12 @@ step's (static) token count:
 A new routing changes values, never shapes, so nothing recompiles and nothing waits for the
 host. Measurements behind the choice: `scripts/bench_moe.py` (docs/benchmarks.md).
 
-Quantized experts (FP8 or int8, `kernels.matmul.quantized`) take "gathered" at decode sizes
-and "blocked" with the reference's loop over blocks otherwise, on every platform: neither the
-grouped-matmul kernel nor `ragged_dot` takes quantized weights.
+Quantized experts (FP8 or int8, `kernels.matmul.quantized`) with a scale per channel or per
+expert run "blocked" on the grouped-matmul kernel on CUDA (FP8 activations times FP8 weights,
+or int8 weights converted in the kernel; the scales on its output: `scaled_grouped_matmul`);
+block-scaled ones, and every quantized expert elsewhere, "gathered" at decode sizes and
+"blocked" with the reference's loop over blocks otherwise (`ragged_dot` takes float weights
+only).
 
 Letters: T tokens, E hidden, X experts, k experts per token, F expert width.
 """
@@ -39,7 +42,7 @@ from jaxmamba.kernels.grouped_matmul import (
     grouped_matmul,
     has_kernel,
 )
-from jaxmamba.kernels.matmul import QuantizedWeight, scaled_matmul
+from jaxmamba.kernels.matmul import QuantizedWeight, scaled_grouped_matmul, scaled_matmul
 from jaxmamba.model.layers import MLP, Dtype, Linear, activate, matmul_precision, quantized_param
 from jaxmamba.parallel.collectives import ShardLayout, reduce
 
@@ -111,14 +114,17 @@ def grouped_experts(
     kernel (CUDA), "blocked" at every size on the kernel; otherwise "gathered" for at most as
     many assignments as experts, else "ragged" on TPU (XLA lowers `ragged_dot` to a grouped
     matmul there) and "blocked" on the reference elsewhere (on CUDA, XLA's `ragged_dot` costs
-    every expert densely: `scripts/bench_moe.py`). Quantized weights: "gathered", else
-    "blocked" on the reference."""
+    every expert densely: `scripts/bench_moe.py`). Quantized weights: "blocked" on the
+    kernel where `impl` runs it and their scales are per channel or per expert
+    (`scaled_grouped_matmul`); otherwise "gathered", else "blocked" on the reference."""
     T, k = idx.shape
     if isinstance(w_up, QuantizedWeight) or isinstance(w_down, QuantizedWeight):
         if method == "ragged":
             raise ValueError("grouped_experts method='ragged' takes float weights only")
-        impl = "ref"
-        method = method or ("gathered" if T * k <= _num_experts(w_up) else "blocked")
+        if not (_kernel_scales(w_up) and _kernel_scales(w_down)):
+            impl = "ref"
+        if not has_kernel(impl):
+            method = method or ("gathered" if T * k <= _num_experts(w_up) else "blocked")
     if method is None:
         if has_kernel(impl):
             method = "blocked"
@@ -162,19 +168,17 @@ def _num_experts(w: jax.Array | QuantizedWeight) -> int:
 
 
 def _grouped(x, w, block_expert, *, dtype, out_dtype=None, impl: str):
-    """`grouped_matmul`, for quantized weights as the reference's loop over blocks."""
-    if not isinstance(w, QuantizedWeight):
-        return grouped_matmul(x, w.astype(dtype), block_expert, out_dtype=out_dtype, impl=impl)
-    nb = block_expert.shape[0]
-    out_dtype = out_dtype or dtype
+    """`grouped_matmul` of float or quantized (`scaled_grouped_matmul`) experts."""
+    if isinstance(w, QuantizedWeight):
+        return scaled_grouped_matmul(x, w, block_expert, dtype=dtype, out_dtype=out_dtype,
+                                     impl=impl)  # fmt: skip
+    return grouped_matmul(x, w.astype(dtype), block_expert, out_dtype=out_dtype, impl=impl)
 
-    def one_block(args):
-        xb, e = args
-        y = scaled_matmul(xb, w.take(jnp.maximum(e, 0)), dtype=dtype, out_dtype=jnp.float32)
-        return jnp.where(e >= 0, y, 0.0).astype(out_dtype)
 
-    y = lax.map(one_block, (x.reshape(nb, -1, x.shape[-1]), block_expert))
-    return y.reshape(x.shape[0], -1)
+def _kernel_scales(w: jax.Array | QuantizedWeight) -> bool:
+    """Whether the grouped-matmul kernel can take `w`: float, or a scale per output channel
+    or per expert (block scales vary along K: the reference's loop)."""
+    return not isinstance(w, QuantizedWeight) or w.scale.shape[-1] == 1
 
 
 def _per_row(xs, w, flat, dtype) -> jax.Array:

@@ -11,6 +11,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import init_cache
 from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.model.model import Mamba2HybridLM
+from jaxmamba.model.quantization import quantize_params
 from jaxmamba.step_contract import CacheSpec, padding
 
 
@@ -57,3 +58,12 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
 def param_logical_axes(cfg: ModelConfig):
     """The parameter pytree with each leaf replaced by its `PartitionSpec` of logical axis names."""
     return nn.get_partition_spec(jax.eval_shape(lambda: _init_boxed(cfg, jnp.float32, 0)))
+
+
+def quantized_param_shapes(cfg: ModelConfig, dtype, method: str | None):
+    """`param_shapes` as `quantize_params(..., method)` leaves them (`ShapeDtypeStruct`s,
+    nothing allocated); the float shapes for `method` None."""
+    shapes = param_shapes(cfg, dtype)
+    if method is None:
+        return shapes
+    return jax.eval_shape(lambda p: quantize_params(p, cfg, method), shapes)

@@ -50,6 +50,21 @@ def quantized_names(name: str) -> tuple[str, str, str]:
     return f"{prefix}weight", f"{prefix}weight_scale", f"{prefix}input_scale"
 
 
+def quantized_leaf(leaf: str) -> tuple[str, str | None]:
+    """`(float leaf, role)` of a param leaf of a quantized layer: role "weight" or "scale" (a
+    `weight` or `weight_scale` leaf, of float leaf `kernel`, `experts_up`, ...), "replicated"
+    (an `input_scale`, a KV-cache scale: scalars), None (no quantized leaf)."""
+    for suffix, role in (("weight_scale", "scale"), ("weight", "weight"),
+                         ("input_scale", "replicated")):  # fmt: skip
+        if leaf == suffix:
+            return "kernel", role
+        if leaf.endswith("_" + suffix):
+            return leaf.removesuffix("_" + suffix), role
+    if leaf in (K_CACHE_SCALE, V_CACHE_SCALE):
+        return leaf, "replicated"
+    return leaf, None
+
+
 def float_name(leaf: str) -> str | None:
     """The float leaf a quantized `weight` leaf stands for (None: `leaf` is no such leaf)."""
     if leaf == "weight":

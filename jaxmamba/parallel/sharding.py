@@ -15,6 +15,7 @@ heads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -110,46 +111,139 @@ def rearrange(plan: TensorParallelPlan, name: str, leaf: str, a: np.ndarray, axi
 
 
 @functools.lru_cache(maxsize=8)
-def _logical_axes(cfg):
+def _logical_axes(cfg) -> dict[tuple[str, ...], tuple]:
+    """The float parameter tree's logical axis names, by path."""
     from jaxmamba.model.params import param_logical_axes
 
-    return param_logical_axes(cfg)
-
-
-def param_specs(plan: TensorParallelPlan):
-    """The parameter tree's `PartitionSpec`s over the mesh (a pytree like the params')."""
-    logical = _logical_axes(plan.cfg)
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    return jax.tree.map(lambda spec: _spec(spec, plan)[1], logical, is_leaf=is_spec)
+    flat, _ = jax.tree_util.tree_flatten_with_path(param_logical_axes(cfg), is_leaf=is_spec)
+    return {_keys(path): tuple(spec) for path, spec in flat}
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where one parameter goes: `axis` (None: replicated) of logical `name`, as float leaf
+    `leaf` (a quantized weight's and scales' float leaf) in `role` ("float", "weight",
+    "scale")."""
+
+    axis: int | None
+    name: str | None
+    leaf: str
+    role: str
+    pspec: PartitionSpec
+
+
+def _placement(plan: TensorParallelPlan, path: tuple[str, ...], shape) -> _Placement:
+    """A parameter's placement. A quantized weight `[..., N, K]` (`quantization.py`) splits
+    like the float kernel `[..., K, N]` it stands for, its axes swapped; its scales
+    `[..., NS, KS]` along the same axis where they vary along it (NS or KS > 1), else
+    replicated; an activation or KV-cache scale is replicated."""
+    from jaxmamba.model.quantization import quantized_leaf
+
+    axes = _logical_axes(plan.cfg)
+    if path in axes:
+        axis, pspec = _spec(axes[path], plan)
+        return _Placement(axis, None if axis is None else axes[path][axis], path[-1], "float",
+                          pspec)  # fmt: skip
+    leaf, role = quantized_leaf(path[-1])
+    if role in ("weight", "scale") and path[:-1] + (leaf,) in axes:
+        logical = axes[path[:-1] + (leaf,)]
+        logical = (*logical[:-2], logical[-1], logical[-2])  # [..., N, K]
+        axis, pspec = _spec(logical, plan)
+        if role == "scale" and axis is not None and shape[axis] == 1:  # one scale for all
+            axis, pspec = None, PartitionSpec()
+        return _Placement(axis, None if axis is None else logical[axis], leaf, role, pspec)
+    if role == "replicated" and len(shape) == 0:
+        return _Placement(None, None, leaf, role, PartitionSpec())
+    raise ValueError(f"parameter {'/'.join(path)} {list(shape)} is not one the model declares")
+
+
+def _scale_rows(plan: TensorParallelPlan, p: _Placement, s: np.ndarray, weight_shape):
+    """Scales `f32[..., NS, KS]` split along the weight's output rows (NS > 1): spread to one
+    row of scales per output row (block scales repeated), then rearranged like the rows."""
+    from jaxmamba.kernels.matmul.quantized import BLOCK
+
+    n = weight_shape[-2]
+    if s.shape[-2] != n:
+        s = np.repeat(s, BLOCK, axis=-2)[..., :n, :]
+    return rearrange(plan, p.name, p.leaf, s, p.axis)
+
+
+def _scale_columns(plan: TensorParallelPlan, p: _Placement, path, s: np.ndarray, weight_shape):
+    """Block scales `f32[..., NS, KS]` split along the weight's input columns (a row-parallel
+    block-scaled weight): each shard's columns must be whole 128-blocks."""
+    from jaxmamba.kernels.matmul.quantized import BLOCK
+
+    k = weight_shape[-1]
+    proxy = np.zeros([1] * (len(weight_shape) - 1) + [k], np.int8)
+    padded = rearrange(plan, p.name, p.leaf, proxy, len(weight_shape) - 1).shape[-1]
+    width = padded // plan.size
+    if len(_parts(plan, p.name, p.leaf, proxy, proxy.ndim - 1)) != 1 or width % BLOCK:
+        raise ValueError(
+            f"tensor_parallel_size={plan.size}: the block-scaled weight {'/'.join(path)} "
+            f"{list(weight_shape)} splits its {k} input columns into {width} a shard (padded to "
+            f"{padded}), not whole {BLOCK}-column blocks of its scales; serve it on fewer devices"
+        )
+    blocks = padded // BLOCK
+    widths = [(0, 0)] * (s.ndim - 1) + [(0, blocks - s.shape[-1])]
+    s = np.pad(s, widths, constant_values=1.0)  # the padded columns' weights are zero
+    if blocks == plan.size:
+        # One block a shard: its scale twice, so that the shard's weight still reads as
+        # block-scaled (a 1-wide scale would make it an FP8 GEMM, `scaled_matmul`, quantizing
+        # activations the whole weight does not); `expand_scale` uses the first.
+        s = np.repeat(s, 2, axis=-1)
+    return s
+
+
+def _host_param(plan: TensorParallelPlan, p: _Placement, path, a: np.ndarray, weight_shape):
+    """One parameter as placed on the mesh (host array), rearranged for its shards."""
+    if p.axis is None:
+        return a
+    if p.role != "scale":
+        return rearrange(plan, p.name, p.leaf, a, p.axis)
+    if p.axis == a.ndim - 2:
+        return _scale_rows(plan, p, a, weight_shape)
+    return _scale_columns(plan, p, path, a, weight_shape)
 
 
 def _map_params(plan: TensorParallelPlan, params, fn):
-    """`fn(leaf_name, array, axis, logical_name, pspec)` over every parameter."""
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    flat_logical = jax.tree.leaves(_logical_axes(plan.cfg), is_leaf=is_spec)
+    """`fn(path, array, placement, weight_shape)` over every parameter (`weight_shape`: for a
+    quantized weight's scales, the shape of the weight, else None)."""
+    from jaxmamba.model.quantization import quantized_names
+
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    if len(flat) != len(flat_logical):
-        raise ValueError(f"{len(flat)} parameters, the model declares {len(flat_logical)}")
+    shapes = {_keys(path): tuple(a.shape) for path, a in flat}
     out = []
-    for (path, a), logical in zip(flat, flat_logical, strict=True):
-        axis, pspec = _spec(logical, plan)
-        name = None if axis is None else tuple(logical)[axis]
-        out.append(fn(str(getattr(path[-1], "key", path[-1])), a, axis, name, pspec))
+    for path, a in flat:
+        path = _keys(path)
+        p = _placement(plan, path, a.shape)
+        weight_shape = None
+        if p.role == "scale":
+            weight_shape = shapes[path[:-1] + (quantized_names(p.leaf)[0],)]
+        out.append(fn(path, a, p, weight_shape))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def shard_params(plan: TensorParallelPlan, params, mesh: Mesh):
-    """The model's parameters (whole, as loaded) → arrays sharded over `mesh`, each
-    rearranged for its shards. Goes through host memory one array at a time."""
+def param_specs(plan: TensorParallelPlan, params):
+    """The `PartitionSpec`s over the mesh of `params` (a tree of arrays or shapes, as
+    `shard_params` places it)."""
+    return _map_params(plan, params, lambda path, a, p, ws: p.pspec)
 
-    def one(leaf, a, axis, name, pspec):
-        host = np.asarray(jax.device_get(a))
-        if axis is not None:
-            host = rearrange(plan, name, leaf, host, axis)
+
+def shard_params(plan: TensorParallelPlan, params, mesh: Mesh):
+    """The model's parameters (whole, as loaded; float or quantized) → arrays sharded over
+    `mesh`, each rearranged for its shards. Goes through host memory one array at a time."""
+
+    def one(path, a, p, weight_shape):
+        host = _host_param(plan, p, path, np.asarray(jax.device_get(a)), weight_shape)
         # Each process places only its own devices' blocks (several hosts: every process
         # holds the whole array in host memory, as it loaded it).
         return jax.make_array_from_callback(
-            host.shape, NamedSharding(mesh, pspec), lambda index: host[index]
+            host.shape, NamedSharding(mesh, p.pspec), lambda index: host[index]
         )
 
     return _map_params(plan, params, one)
@@ -158,13 +252,16 @@ def shard_params(plan: TensorParallelPlan, params, mesh: Mesh):
 def sharded_param_shapes(plan: TensorParallelPlan, params, mesh: Mesh):
     """`shard_params`' result as `ShapeDtypeStruct`s, from the parameters' shapes only."""
 
-    def one(leaf, a, axis, name, pspec):
+    def one(path, a, p, weight_shape):
         shape = tuple(a.shape)
-        if axis is not None:  # rearrange a 1-wide proxy to learn the grown axis
+        if p.role == "scale":  # small: placed for real, on zeros
+            shape = _host_param(plan, p, path, np.zeros(shape, np.float32), weight_shape).shape
+        elif p.axis is not None:  # rearrange a 1-wide proxy to learn the grown axis
+            axis = p.axis
             proxy = np.zeros([shape[axis] if d == axis else 1 for d in range(len(shape))], np.int8)
-            grown = rearrange(plan, name, leaf, proxy, axis).shape[axis]
+            grown = rearrange(plan, p.name, p.leaf, proxy, axis).shape[axis]
             shape = shape[:axis] + (grown,) + shape[axis + 1 :]
-        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(mesh, pspec))
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(mesh, p.pspec))
 
     return _map_params(plan, params, one)
 

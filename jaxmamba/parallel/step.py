@@ -31,11 +31,11 @@ class MeshPlan:
     mesh: Mesh
 
 
-def _shard_mapped(fn, mesh_plan: MeshPlan, spec, dtype, out_cache: bool):
+def _shard_mapped(fn, mesh_plan: MeshPlan, params, spec, dtype, out_cache: bool):
     from jaxmamba.parallel.sharding import cache_specs, param_specs
 
     plan = mesh_plan.plan
-    params, cache = param_specs(plan), cache_specs(plan, spec, dtype)
+    params, cache = param_specs(plan, params), cache_specs(plan, spec, dtype)
     in_specs = (params, cache, REPLICATED, REPLICATED)
     out_specs = (REPLICATED, cache, REPLICATED) if out_cache else (REPLICATED, cache)
     # check_vma off: the Pallas calls carry no replication annotations; the outputs marked
@@ -48,7 +48,7 @@ def tp_step_fn(params, cache, slot_state, inputs, *, model, spec, num_decode, me
     """`model.step.step_fn` over the mesh (`model` is the shard model)."""
     body = functools.partial(step_fn, model=model, spec=spec, num_decode=num_decode)
     dtype = model.dtype
-    return _shard_mapped(body, mesh_plan, spec, dtype, out_cache=True)(
+    return _shard_mapped(body, mesh_plan, params, spec, dtype, out_cache=True)(
         params, cache, slot_state, inputs
     )
 
@@ -57,7 +57,7 @@ def tp_logits_fn(params, cache, inputs, *, model, spec, num_decode, mesh_plan):
     def body(params, cache, _unused, inputs):
         return logits_fn(params, cache, inputs, model=model, spec=spec, num_decode=num_decode)
 
-    return _shard_mapped(body, mesh_plan, spec, model.dtype, out_cache=False)(
+    return _shard_mapped(body, mesh_plan, params, spec, model.dtype, out_cache=False)(
         params, cache, (), inputs
     )
 
@@ -68,7 +68,7 @@ def tp_score_fn(params, prompt_hidden, targets, *, model, spec, mesh_plan):
     from jaxmamba.parallel.sharding import param_specs
 
     body = functools.partial(score_fn, model=model, spec=spec)
-    in_specs = (param_specs(mesh_plan.plan), REPLICATED, REPLICATED)
+    in_specs = (param_specs(mesh_plan.plan, params), REPLICATED, REPLICATED)
     return jax.shard_map(body, mesh=mesh_plan.mesh, in_specs=in_specs, out_specs=REPLICATED,
                          check_vma=False)(params, prompt_hidden, targets)  # fmt: skip
 

@@ -47,14 +47,15 @@ class GpuBlockSizes:
 def _kernel(
     block_expert_ref,  # i32[NB]
     x_ref,  # [NB·BM, K]
-    w_ref,  # [X, K, N]
+    w_ref,  # [X, K, N]; [X, N, K] with transpose_w
     out_ref,  # [NB·BM, N]
     *,
     block_rows: int,
     block_n: int,
     block_k: int,
+    transpose_w: bool,
 ):
-    k_total, n_total = w_ref.shape[1], w_ref.shape[2]
+    k_total, n_total = w_ref.shape[1:] if not transpose_w else w_ref.shape[:0:-1]
     block, col_block = pl.program_id(0), pl.program_id(1)
     expert = block_expert_ref[block]
     r0 = pl.multiple_of(block * block_rows, block_rows)
@@ -68,16 +69,26 @@ def _kernel(
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             x_tile = x_ref.at[pl.ds(r0, block_rows), pl.ds(k0, block_k)]
-            w_tile = w_ref.at[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+            if transpose_w:  # [block_n, block_k] tiles of a [N, K] weight
+                w_tile = w_ref.at[expert, pl.ds(n0, block_n), pl.ds(k0, block_k)]
+                wn_mask = None if n_mask is None else n_mask.T
+            else:
+                w_tile = w_ref.at[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+                wn_mask = n_mask
             if k_edge:
                 k_mask = k0 + jnp.arange(block_k) < k_total
                 x = pltriton.load(x_tile, mask=k_mask[None, :], other=0)
-                w_mask = k_mask[:, None] if n_mask is None else k_mask[:, None] & n_mask
+                wk_mask = k_mask[None, :] if transpose_w else k_mask[:, None]
+                w_mask = wk_mask if wn_mask is None else wk_mask & wn_mask
                 w = pltriton.load(w_tile, mask=w_mask, other=0)
             else:
                 x = x_tile[...]
-                w = w_tile[...] if n_mask is None else pltriton.load(w_tile, mask=n_mask, other=0)
-            return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
+                w = w_tile[...] if wn_mask is None else pltriton.load(w_tile, mask=wn_mask, other=0)
+            if w.dtype != x.dtype:  # int8 weights: converted in registers
+                w = w.astype(x.dtype)
+            dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+            return acc + lax.dot_general(x, w, dims, precision=precision,
+                                         preferred_element_type=jnp.float32)  # fmt: skip
 
         steps = pl.cdiv(k_total, block_k)
         acc = lax.fori_loop(0, steps, step, jnp.zeros((block_rows, block_n), jnp.float32))
@@ -91,10 +102,11 @@ def _kernel(
 
 def grouped_matmul_gpu(
     x: jax.Array,  # [NB·BM, K]
-    w: jax.Array,  # [X, K, N]
+    w: jax.Array,  # [X, K, N]; [X, N, K] with transpose_w
     block_expert: jax.Array,  # i32[NB]
     *,
     out_dtype=None,
+    transpose_w: bool = False,
     interpret: bool = False,
     block_sizes: GpuBlockSizes | None = None,
 ) -> jax.Array:
@@ -112,10 +124,9 @@ def grouped_matmul_gpu(
         size = getattr(bs, name)
         if size < MIN_DOT_DIM or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= {MIN_DOT_DIM}, got {size}")
-    n = w.shape[2]
-    kernel = functools.partial(
-        _kernel, block_rows=block_rows, block_n=bs.block_n, block_k=bs.block_k
-    )
+    n = w.shape[1 if transpose_w else 2]
+    kernel = functools.partial(_kernel, block_rows=block_rows, block_n=bs.block_n,
+                               block_k=bs.block_k, transpose_w=transpose_w)  # fmt: skip
     return pallas_call(
         kernel,
         grid=(nb, pl.cdiv(n, bs.block_n)),

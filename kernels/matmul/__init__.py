@@ -17,7 +17,7 @@ import jax
 
 from ..dispatch import current_platform, select_impl
 from .gpu import MAX_ROWS, small_m_matmul_gpu
-from .quantized import QuantizedWeight, scaled_matmul
+from .quantized import QuantizedWeight, scaled_grouped_matmul, scaled_matmul
 from .ref import small_m_matmul_ref
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "SMALL_M_ENV",
     "QuantizedWeight",
     "model_small_m_impl",
+    "scaled_grouped_matmul",
     "scaled_matmul",
     "small_m_matmul",
     "small_m_matmul_ref",

@@ -20,8 +20,9 @@ Two ways to multiply, chosen from the weight at trace time (``scaled_matmul``):
   unquantized activations; XLA fuses the conversion into the dot's operand where it can.
 
 Either way the weight stays quantized in device memory: a decode step reads 1 byte a weight.
-There is no Pallas kernel: the small-M kernel (``gpu.py``) takes bf16 ``[K, N]`` weights, so
-quantized projections always run on XLA's dot.
+The small-M kernel (``gpu.py``) takes bf16 ``[K, N]`` weights, so quantized projections always
+run on XLA's dot. Quantized MoE experts (``scaled_grouped_matmul``) run on the grouped-matmul
+kernel where their scales are per output channel or per expert.
 """
 
 from __future__ import annotations
@@ -120,3 +121,47 @@ def scaled_matmul(
         y = lax.dot_general(x.astype(dtype), dequantize(w, dtype), dims, precision=precision,
                             preferred_element_type=jnp.float32)  # fmt: skip
     return y.astype(out_dtype or dtype)
+
+
+def scaled_grouped_matmul(
+    x: jax.Array,  # [NB·BM, K] rows in blocks of one expert each
+    w: QuantizedWeight,  # weight [X, N, K]
+    block_expert: jax.Array,  # i32[NB]; -1: an unused block
+    *,
+    dtype,  # the compute dtype
+    out_dtype=None,  # default dtype
+    impl: str = "auto",
+) -> jax.Array:
+    """``grouped_matmul`` of quantized experts: ``x[block b] @ real_weight[e_b].T`` as
+    ``[NB·BM, N]``, the same numbers as ``scaled_matmul`` of each block (float32 sums apart).
+
+    A scale per output channel or per expert (KS = 1): the grouped-matmul kernel where
+    ``impl`` runs it, on the published ``[X, N, K]`` bytes — FP8 activations (quantized per
+    row, or at the static scale) times FP8 weights, or unquantized activations times int8
+    converted in the kernel — and the scales on its float32 output. Block scales (KS > 1):
+    the reference's loop over blocks, each a ``scaled_matmul``. Rows of unused blocks are
+    unspecified."""
+    from ..grouped_matmul import grouped_matmul, has_kernel
+
+    out_dtype = out_dtype or dtype
+    nb = block_expert.shape[0]
+    if has_kernel(impl) and w.scale.shape[-1] == 1:
+        n = w.weight.shape[-2]
+        if is_fp8_gemm(w):
+            sx = activation_scale(x) if w.input_scale is None else w.input_scale
+            xq = quantize_fp8(x, sx)
+        else:
+            sx, xq = 1.0, x.astype(dtype)
+        y = grouped_matmul(xq, w.weight, block_expert, out_dtype=jnp.float32, transpose_w=True,
+                           impl=impl)  # fmt: skip
+        sw = expand_scale(w.scale, n, 1)[..., 0][jnp.maximum(block_expert, 0)]  # [NB, N or 1]
+        sw = jnp.repeat(sw, x.shape[0] // nb, axis=0)
+        return (y * sx * sw).astype(out_dtype)
+
+    def one_block(args):
+        xb, e = args
+        y = scaled_matmul(xb, w.take(jnp.maximum(e, 0)), dtype=dtype, out_dtype=jnp.float32)
+        return jnp.where(e >= 0, y, 0.0).astype(out_dtype)
+
+    y = lax.map(one_block, (x.reshape(nb, -1, x.shape[-1]), block_expert))
+    return y.reshape(x.shape[0], -1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import os
 import re
 import sys
 import tempfile
@@ -63,11 +64,11 @@ def patch_dispatch() -> list[str]:
     return sorted(ops)
 
 
-def logits_err(path, model, dtype, impl: str, lengths) -> float:
+def logits_err(path, model, dtype, impl: str, lengths, small_m_impl=None) -> float:
     cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=dtype)
     spec = CacheSpec(num_slots=8, num_pages=8 * 16, page_size=16)
-    runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl)
+    runner = ModelRunner(cfg, params, spec, dtype=dtype, impl=impl, small_m_impl=small_m_impl)
     prompts = random_prompts(np.random.default_rng(0), lengths, cfg.vocab_size)
     rows = [row(p, 0, slot) for slot, p in enumerate(prompts)]
     inputs = builder(runner).build(rows, Bucket(sum(lengths) + 5, len(rows), 0))
@@ -82,8 +83,34 @@ def logits_err(path, model, dtype, impl: str, lengths) -> float:
     return worst
 
 
+def variants(path, model, lengths) -> None:
+    """What differs between `impl="ref"` and `"auto"` beside the ops' dispatch: every op sent
+    to its reference at once, the small-M projection kernel off, and the reference run with
+    the small-M kernel on."""
+    from jaxmamba.kernels.matmul import SMALL_M_ENV
+
+    bf16 = jnp.bfloat16
+    rows = [("ref", "-", logits_err(path, model, bf16, "ref", lengths)),
+            ("auto", "-", logits_err(path, model, bf16, "auto", lengths))]  # fmt: skip
+    FORCED.update({op: "ref" for op in PREFILL_OPS})
+    rows.append(("auto", "every op ref", logits_err(path, model, bf16, "auto", lengths)))
+    FORCED.clear()
+    os.environ[SMALL_M_ENV] = "0"
+    rows.append(("auto", "small-M off", logits_err(path, model, bf16, "auto", lengths)))
+    del os.environ[SMALL_M_ENV]
+    rows.append(("ref", "small-M pallas", logits_err(path, model, bf16, "ref", lengths, "pallas")))
+    for impl, what, err in rows:
+        print(f"bf16 {impl:5} {what:16} {err:.3g}", flush=True)
+
+
 def main() -> None:
     print("backend", jax.default_backend(), jax.__version__)
+    if "--variants" in sys.argv:
+        patch_dispatch()
+        path, model = make_falcon(Path(tempfile.mkdtemp()) / "a", num_layers=2, n_groups=2,
+                                  seed=0, **MULTIPLIERS)  # fmt: skip
+        variants(path, model, [1, 7, 21, 11])
+        return
     ops = patch_dispatch()
     tmp = Path(tempfile.mkdtemp())
     models = {
