@@ -2,12 +2,15 @@
 the model code, and its greedy tokens and logprobs equal the live engine's and HF
 transformers' (a random float32 checkpoint), prefix-cache hit included; decode steps that
 need no sort run the artifact's sort-free sampler program, with the same tokens and
-logprobs; a corrupted or mismatched artifact is rejected naming the field."""
+logprobs; constrained requests (structured outputs) give the live engine's tokens, and an
+artifact whose FULL programs take no token bitmask refuses them; a corrupted or mismatched
+artifact is rejected naming the field."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxmamba import LLM, SamplingParams
+from jaxmamba import LLM, SamplingParams, StructuredOutputsParams
 from jaxmamba.export.artifact import MANIFEST, ArtifactError, read_artifact, runtime_platform
 from jaxmamba.export.writer import export_artifact
 
@@ -55,7 +58,15 @@ print(json.dumps({"runs": runs, "modules": sorted(sys.modules),
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders
+
     path, model = make_nemotron_h_checkpoint(tmp_path_factory.mktemp("hf"), with_tokenizer=True)
+    # The same text through the sentencepiece-style decoder, whose token bytes llguidance
+    # (structured outputs) can read; it cannot read a Metaspace decoder's.
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tok.save(str(path / "tokenizer.json"))
     return path, model.eval()
 
 
@@ -66,6 +77,12 @@ def artifact(checkpoint, tmp_path_factory):
         str(checkpoint[0]), tmp_path_factory.mktemp("export") / "art", engine=ENGINE,
         platforms=sorted({"cpu", runtime_platform()}),
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def live(checkpoint):
+    """The live engine on the artifact's checkpoint and settings."""
+    return LLM(str(checkpoint[0]), compilation_cache=False, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +102,8 @@ def _result(outs):
     ]  # fmt: skip
 
 
-def test_fresh_process_serves_the_artifact_without_the_model_code(artifact, checkpoint, prompts):
+def test_fresh_process_serves_the_artifact_without_the_model_code(artifact, checkpoint, prompts,
+                                                                  live):  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     run = subprocess.run(
         [sys.executable, "-c", SERVE, str(artifact), json.dumps(prompts)],
@@ -100,12 +118,11 @@ def test_fresh_process_serves_the_artifact_without_the_model_code(artifact, chec
 
     # The live engine on the same checkpoint and settings, twice as well.
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    llm = LLM(str(checkpoint[0]), compilation_cache=False, **ENGINE)
-    live = [_result(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
+    runs = [_result(live.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
             for _ in range(2)]  # fmt: skip
     first, second = served["runs"]
-    assert second[0]["cached"] > 0 and live[1][0]["cached"] == second[0]["cached"]
-    for ours, theirs in zip(first + second, live[0] + live[1], strict=True):
+    assert second[0]["cached"] > 0 and runs[1][0]["cached"] == second[0]["cached"]
+    for ours, theirs in zip(first + second, runs[0] + runs[1], strict=True):
         assert ours["tokens"] == theirs["tokens"]
         np.testing.assert_allclose(ours["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
 
@@ -186,12 +203,19 @@ def test_manifest_lists_every_bucket_with_shapes(artifact):
     assert [(b["num_tokens"], b["num_rows"], b["num_decode"]) for b in m["buckets"]] == [
         (b.num_tokens, b.num_rows, b.num_decode) for b in buckets
     ]
+    assert m["format_version"] == 3 and m["structured_outputs"] is True
     for b in m["buckets"]:
         n_in = m["state"]["params"] + len(m["state"]["cache"]) + len(m["state"]["slot_state"])
-        # The step's inputs: one int32 buffer, every field the bucket's padding has, packed
+        # The step's inputs: one int32 buffer, every field the bucket's padding has, packed;
+        # the FULL program's also the token bitmask (a word per 32 tokens a row), the
+        # variants' not (listed in their own node)
         padding = builder.padding(Bucket(b["num_tokens"], b["num_rows"], b["num_decode"]))
         size = sum(np.size(x) for x in padding if x is not None)
-        assert b["inputs"][n_in:] == [{"shape": [size], "dtype": "int32"}]
+        mask = b["num_rows"] * -(-cfg.vocab_size // 32)
+        assert b["inputs"][n_in:] == [{"shape": [size + mask], "dtype": "int32"}]
+        for variant in b.get("variants", {}).values():
+            assert variant["inputs"][n_in:] == [{"shape": [size], "dtype": "int32"}]
+            assert variant["inputs"][:n_in] == b["inputs"][:n_in]
         assert m["input_fields"] == list(padding._fields)
         # The packed samples (their layout is the step's), then the donated cache and state.
         state = m["state"]["cache"] + m["state"]["slot_state"]
@@ -216,7 +240,9 @@ def _edit(path: Path, change) -> None:
     "change, field, held, expected",
     [
         (lambda m: m.update(jax_version="0.0.1"), "jax_version", "0.0.1", None),
-        (lambda m: m.update(format_version=99), "format_version", "99", "1"),
+        (lambda m: m.update(format_version=99), "format_version", "99", "[2, 3]"),
+        (lambda m: m.pop("structured_outputs"), "structured_outputs", None, None),
+        (lambda m: m.update(structured_outputs=False), "inputs", "False", "without the token"),
         (lambda m: m.update(platforms=["tpu"]), "platforms", "['tpu']", repr(runtime_platform())),
         (lambda m: m["input_fields"].pop(), "input_fields", None, "penalty_reset"),
         (lambda m: m["model"].update(vocab_size=101), "state.slot_state", "97", "101"),
@@ -224,8 +250,8 @@ def _edit(path: Path, change) -> None:
          None),
         (lambda m: m["engine"].update(max_num_seqs=2), "buckets", None, None),
     ],
-    ids=["jax_version", "format_version", "platform", "input_fields", "config", "shapes",
-         "engine"],
+    ids=["jax_version", "format_version", "structured_outputs", "bitmask", "platform",
+         "input_fields", "config", "shapes", "engine"],
 )  # fmt: skip
 def test_mismatched_manifest_is_rejected_naming_the_field(
     artifact, tmp_path, change, field, held, expected
@@ -261,3 +287,60 @@ def test_corrupted_files_are_rejected(artifact, tmp_path):
 def test_asking_for_other_engine_settings_is_rejected(artifact):
     with pytest.raises(ArtifactError, match="'max_num_seqs' holds 1, expected 4"):
         LLM(str(artifact), compilation_cache=False, **{**ENGINE, "max_num_seqs": 4})
+
+
+CHOICES = ["mamba", "attention", "state space"]
+REGEX = "[a-m]{2,5}"
+
+
+def test_artifact_serves_constrained_requests_with_the_live_engines_tokens(artifact, live):
+    """Greedy choice and regex requests beside an unconstrained one, on the artifact (its FULL
+    programs take the token bitmask) and the live engine: the same tokens, which satisfy the
+    constraints; the decode steps of a constrained row run FULL, the unconstrained ones not."""
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0,
+                       structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+        SamplingParams(max_tokens=12, temperature=0.0,
+                       structured_outputs=StructuredOutputsParams(regex=REGEX)),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    ]  # fmt: skip
+    prompts = ["the state of", "hello", "mamba layers scan"]
+    served = LLM(str(artifact), compilation_cache=False)
+    assert served.runner.structured_outputs
+    steps = served.runner.variant_steps
+    before = dict(steps)
+    ours = served.generate(prompts, params, use_tqdm=False)
+    ran = {k: steps[k] - before.get(k, 0) for k in steps}
+    theirs = live.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.error is None and a.outputs[0].token_ids == b.outputs[0].token_ids, (a, b)
+    choice, regex, free = (o.outputs[0] for o in ours)
+    assert choice.text in CHOICES and choice.finish_reason == "stop", choice
+    assert re.fullmatch(REGEX, regex.text) and regex.finish_reason == "stop", regex
+    assert len(free.token_ids) == MAX_TOKENS
+    assert ran["full"] >= len(choice.token_ids) + len(regex.token_ids) and ran.get("greedy"), ran
+
+
+def test_artifact_without_the_bitmask_refuses_constrained_requests(checkpoint, tmp_path):
+    """An artifact exported with FULL programs that take no token bitmask (or an older one:
+    format version 2, without the manifest's `structured_outputs`) serves unconstrained
+    requests and refuses constrained ones, saying why."""
+    from jaxmamba.engine.batch import Bucket
+
+    path = export_artifact(str(checkpoint[0]), tmp_path / "art", engine=ENGINE,
+                           buckets=[Bucket(16, 1, 0)], structured_outputs=False)  # fmt: skip
+    m = read_artifact(path).manifest
+    assert m["structured_outputs"] is False
+    older = _copy(path, tmp_path / "older")
+    _edit(older, lambda m: (m.pop("structured_outputs"), m.update(format_version=2)))
+    refusal = ("FULL sampler programs that take the token bitmask.*exported artifact.*"
+               "'structured_outputs'")  # fmt: skip
+    choice = StructuredOutputsParams(choice=CHOICES)
+    for art in (path, older):
+        llm = LLM(str(art), compilation_cache=False)
+        assert not llm.runner.structured_outputs
+        with pytest.raises(ValueError, match=refusal):
+            llm.generate(["hello"], SamplingParams(max_tokens=4, structured_outputs=choice))
+        out = llm.generate(["hello"], SamplingParams(max_tokens=1, temperature=0.0),
+                           use_tqdm=False)  # fmt: skip
+        assert len(out[0].outputs[0].token_ids) == 1

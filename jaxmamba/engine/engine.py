@@ -267,7 +267,7 @@ class LLMEngine:
         enforce (an unsatisfiable schema). Raises ValueError at once for what shows without
         compiling: a malformed schema, regex or grammar, a JSON-schema keyword the engine does
         not enforce (`jaxmamba.structured.validate`), a model without a tokenizer, or a runner
-        whose FULL programs take no token bitmask (an exported artifact)."""
+        whose FULL programs take no token bitmask (an artifact exported without it)."""
         if not isinstance(constraint, StructuredOutputsParams):
             raise TypeError(
                 f"structured_outputs must be a StructuredOutputsParams, got "
@@ -279,8 +279,10 @@ class LLMEngine:
             raise ValueError(
                 f"structured outputs need FULL sampler programs that take the token bitmask, "
                 f"which this engine's {type(self.runner).__name__} does not have: an exported "
-                f"artifact's take none (serve the model itself), and "
-                f"JAXMAMBA_STRUCTURED_OUTPUTS=0 builds them without it"
+                f"artifact's take none when its manifest does not say 'structured_outputs' "
+                f"(format version 2, or exported with JAXMAMBA_STRUCTURED_OUTPUTS=0: export it "
+                f"again with this jaxmamba), and JAXMAMBA_STRUCTURED_OUTPUTS=0 builds a live "
+                f"engine's without it"
             )
         if self.runner.send_step is not None:
             raise ValueError("structured outputs do not run over several processes yet")

@@ -17,8 +17,9 @@ bitmask (`step_contract` field `token_bitmask`) when the runner serves structure
 (`StepRunner.structured_outputs`); PLAIN and GREEDY never do, so the programs are as many as
 without the feature. A step whose builder sent a bitmask (a constrained row) runs FULL; a FULL
 step without one gets an all-allowing bitmask here (one cached array per row count). A runner
-whose FULL programs take no mask (an exported artifact; `JAXMAMBA_STRUCTURED_OUTPUTS=0`) says
-so, and the engine refuses constrained requests.
+whose FULL programs take no mask (`JAXMAMBA_STRUCTURED_OUTPUTS=0`; an artifact exported without
+it, whose manifest does not say `structured_outputs`) says so, and the engine refuses
+constrained requests.
 
 Two rare kinds of work run as programs of their own, dispatched after a step only when one
 of its rows asks (`ModelRunner.step` decides from the host inputs; one program each, whatever

@@ -1,12 +1,13 @@
 """`jaxmamba aot`: compile the engine's real steps for a TPU topology on a machine without
 one (libtpu's compiler runs deviceless), and report per bucket what XLA says it needs.
 
-Every bucket's step (the one `LLM` runs: forward with the platform's Pallas kernels, the SSD
-scan among them, then sampling) is lowered with `impl="auto_tpu"` from shapes only (no
-weights are read or made) for one chip of the topology, and compiled. Per program it prints
-the weights, the cache, XLA's temporaries and the total against the chip's HBM, and XLA's
-FLOP and byte estimates with the step time they imply at the chip's peak (a lower bound:
-max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)).
+Every bucket's step (the FULL sampler program `LLM` runs: forward with the platform's Pallas
+kernels, the SSD scan among them, then sampling; it takes the token bitmask where
+`runner.takes_bitmask` says, unless `JAXMAMBA_STRUCTURED_OUTPUTS=0`) is lowered with
+`impl="auto_tpu"` from shapes only (no weights are read or made) for one chip of the topology,
+and compiled. Per program it prints the weights, the cache, XLA's temporaries and the total
+against the chip's HBM, and XLA's FLOP and byte estimates with the step time they imply at the
+chip's peak (a lower bound: max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)).
 
 With `--tensor-parallel-size N` the step is the sharded one (jaxmamba.parallel), compiled
 as one SPMD program over N chips of the topology; every figure is then one chip's.
@@ -117,8 +118,9 @@ def aot_compile(
 
     from jaxmamba.engine.batch import Bucket, StepBuilder
     from jaxmamba.engine.config import EngineConfig
+    from jaxmamba.engine.runner import FULL, structured_outputs_enabled
     from jaxmamba.engine.scheduler import Scheduler
-    from jaxmamba.export.writer import _flat_step, param_tree, step_specs
+    from jaxmamba.export.writer import _flat_step, param_tree, program_padding, step_specs
     from jaxmamba.model.cache import CacheSpec, cache_shapes
     from jaxmamba.model.dtypes import DTYPES
     from jaxmamba.model.families import load_config
@@ -160,6 +162,7 @@ def aot_compile(
     params_tree = param_tree(model, cfg, jdtype, quantization)
     weights, cache = _nbytes(params_tree), _nbytes(cache_shapes(cfg, spec, jdtype))
     net = Mamba2HybridLM(cfg, jdtype, impl)
+    structured = structured_outputs_enabled()  # the FULL programs take the token bitmask
     lower_sharded = None
     if tp > 1:  # one program for the tp chips; every figure below is one chip's
         from jaxmamba.parallel import sharding as tp_sharding
@@ -193,9 +196,11 @@ def aot_compile(
         bucket = Bucket(*dataclasses.astuple(bucket))
         start = time.perf_counter()
         if lower_sharded is not None:
-            lowered = lower_sharded(builder.padding(bucket), bucket.num_decode)
+            inputs = program_padding(builder, bucket, FULL, cfg.vocab_size, structured)
+            lowered = lower_sharded(inputs, bucket.num_decode)
         else:
-            flat, trees = step_specs(cfg, spec, jdtype, params_tree, builder, bucket)
+            flat, trees = step_specs(cfg, spec, jdtype, params_tree, builder, bucket, FULL,
+                                     structured)  # fmt: skip
             flat = [[jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in group]
                     for group in flat]  # fmt: skip
             fn = jax.jit(

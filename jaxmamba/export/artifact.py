@@ -5,8 +5,8 @@
                                  and the sha256 of every file below
     DIR/steps/<platform>/<T>x<B>x<D>.jaxexport   the serialized `jax.export` step of a bucket
     DIR/steps/<platform>/<T>x<B>x<D>.plain.jaxexport   a decode bucket's PLAIN and GREEDY
-    DIR/steps/<platform>/<T>x<B>x<D>.greedy.jaxexport  sampler programs (the same signature;
-                                 listed under the entry's "variants")
+    DIR/steps/<platform>/<T>x<B>x<D>.greedy.jaxexport  sampler programs (listed under the
+                                 entry's "variants"; no token bitmask in their inputs)
     DIR/steps/<platform>/score.jaxexport   the prompt_logprobs program (`runner.score_fn`),
                                  run after a step where some row asks for them
     DIR/steps/<platform>/*.executable   with --executables: those steps compiled for a device
@@ -15,8 +15,9 @@
 
 A step takes four flat lists of arrays `(params, cache, slot_state, inputs)` (the leaves, in
 `jax.tree` order, of the live runner's arguments; the last is one int32 buffer, the
-`StepInputs` packed by `PackedStepInputs`, whose field names the manifest keeps) and returns
-`(packed sample output, cache, slot_state)`; cache and slot
+`StepInputs` packed by `PackedStepInputs`, whose field names the manifest keeps; with the
+manifest's `structured_outputs`, a FULL program's buffer holds the token bitmask, as the live
+runner's does) and returns `(packed sample output, cache, slot_state)`; cache and slot
 state are donated. The score program takes `(params, prompt_hidden, targets)` (the params'
 leaves, the slot state's last leaf, i32 targets) and returns the packed prompt logprobs; the
 fork copies (`runner.fork_fn`) are plain array copies, which the serving process compiles
@@ -36,7 +37,13 @@ from typing import Any
 FORMAT = "jaxmamba-artifact"
 # 2: the step leaves prompt_logprobs and forks to programs of their own (`SlotState` gained
 # `prompt_hidden`; the score program), and takes its inputs as one packed buffer.
-FORMAT_VERSION = 2
+# 3: the manifest's `structured_outputs` says whether every FULL program but a verify
+# bucket's takes the token bitmask in its buffer (`runner.takes_bitmask`); a variant whose
+# buffer differs from its bucket's FULL program lists its own `inputs`.
+FORMAT_VERSION = 3
+# The versions this jaxmamba serves: a version 2 artifact's FULL programs take no token
+# bitmask (it has no `structured_outputs`), so it serves everything but constrained requests.
+READ_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 # jax.export platform names -> the model's kernel choice when tracing for that platform.
 PLATFORM_IMPLS = {"cpu": "ref", "cuda": "auto_gpu", "tpu": "auto_tpu"}
@@ -111,8 +118,21 @@ class Artifact:
 def programs(entry: dict) -> list[tuple[str, dict]]:
     """`(sampler, node)` of every program a bucket's manifest entry holds: the full sampler's
     files in the entry itself, each variant's (by its `jaxmamba.engine.runner` name) in
-    `entry["variants"]`; a node has "files" and, with --executables, "executables"."""
+    `entry["variants"]`; a node has "files" and, with --executables, "executables"; a variant's
+    node has "inputs" when they differ from the full program's (the token bitmask)."""
     return [("full", entry), *entry.get("variants", {}).items()]
+
+
+def input_avals(entry: dict, node: dict) -> list[dict]:
+    """The input avals of the program `node` (`programs`) of a bucket's manifest entry."""
+    return node.get("inputs", entry["inputs"])
+
+
+def serves_structured_outputs(manifest: dict) -> bool:
+    """Whether the artifact's FULL programs take the token bitmask where
+    `jaxmamba.engine.runner.takes_bitmask` says (its `structured_outputs`; a version 2
+    artifact's take none)."""
+    return bool(manifest.get("structured_outputs", False))
 
 
 REQUIRED = ("format", "format_version", "jax_version", "platforms", "model", "dtype", "engine",
@@ -142,11 +162,14 @@ def read_artifact(path: str | os.PathLike, *, platform: str | None = None) -> Ar
         raise ArtifactError(f"{where}: corrupted: missing fields {missing}")
     if manifest["format"] != FORMAT:
         raise _mismatch("format", manifest["format"], FORMAT, where)
-    if manifest["format_version"] != FORMAT_VERSION:
+    if manifest["format_version"] not in READ_VERSIONS:
         raise _mismatch(
-            "format_version", manifest["format_version"], FORMAT_VERSION, where,
-            ": re-export the model with this jaxmamba",
+            "format_version", manifest["format_version"], f"one of {list(READ_VERSIONS)}",
+            where, ": re-export the model with this jaxmamba",
         )  # fmt: skip
+    if manifest["format_version"] >= 3 and "structured_outputs" not in manifest:
+        raise ArtifactError(f"{where}: corrupted: missing field 'structured_outputs' (format "
+                            f"version {manifest['format_version']} has it)")  # fmt: skip
     if manifest["jax_version"] != jax.__version__:
         raise _mismatch(
             "jax_version", manifest["jax_version"], jax.__version__, where,

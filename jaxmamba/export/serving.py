@@ -24,7 +24,14 @@ from jaxmamba.engine.config import EngineConfig
 from jaxmamba.engine.engine import LLMEngine
 from jaxmamba.engine.runner import FULL, StepRunner, variants_enabled
 from jaxmamba.engine.scheduler import Scheduler
-from jaxmamba.export.artifact import Artifact, ArtifactError, programs, read_artifact
+from jaxmamba.export.artifact import (
+    Artifact,
+    ArtifactError,
+    input_avals,
+    programs,
+    read_artifact,
+    serves_structured_outputs,
+)
 from jaxmamba.model.metadata import PackedStepInputs
 from jaxmamba.model.step import fork_fn
 from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
@@ -59,11 +66,11 @@ def _bucket_key(entry: dict) -> tuple[int, int, int]:
 class ArtifactRunner(StepRunner):
     """A `StepRunner` on an artifact's exported steps. `params`: the flat weight leaves in
     the exported order (from the artifact's Orbax checkpoint, or given). A decode bucket
-    exported with its sampler variants runs them when `ModelRunner` would. An artifact's
-    FULL programs take no token bitmask (the exporter builds them from padding without one):
-    the engine refuses structured-output requests on one."""
-
-    structured_outputs = False
+    exported with its sampler variants runs them when `ModelRunner` would. Its FULL programs
+    take the token bitmask where `takes_bitmask` says when the manifest's `structured_outputs`
+    says so (`structured_outputs`, as a `ModelRunner`'s); an artifact without it (format
+    version 2, or exported with `JAXMAMBA_STRUCTURED_OUTPUTS=0`) takes none, and the engine
+    refuses constrained requests on it."""
 
     def __init__(self, artifact: Artifact, params=None, *, platform: str | None = None,
                  weights: str | os.PathLike | None = None):  # fmt: skip
@@ -74,6 +81,7 @@ class ArtifactRunner(StepRunner):
         self.cfg = ModelConfig.from_dict(m["model"], source=f"{artifact.where} model")
         self.cache_spec = CacheSpec(**m["cache"])
         self.dtype = jnp.dtype(m["dtype"])
+        self.structured_outputs = serves_structured_outputs(m)
         self.params = self._load_params(params, weights)
         self._check_state()
         self.reset_state()
@@ -88,6 +96,7 @@ class ArtifactRunner(StepRunner):
         self.loaded_executables = 0  # steps loaded compiled (`export --executables`)
         # (bucket, sampler) -> (its compiled step, compiled here afresh, not from the cache)
         self.compiled: dict[tuple, tuple] = {}
+        self._check_inputs()
 
     def _new_state(self) -> tuple:
         state = self.artifact.manifest["state"]
@@ -130,6 +139,30 @@ class ArtifactRunner(StepRunner):
                     f"{where}: bucket {_bucket_key(entry)} field 'inputs' (cache) holds {held}, "
                     f"expected {implied['cache']}"
                 )
+
+    def _check_inputs(self) -> None:
+        """Every program's packed input buffer is the one this process sends it: this
+        jaxmamba's padding of its bucket, with the token bitmask where the program takes one
+        (`program_inputs`: the manifest's `structured_outputs` and `takes_bitmask`)."""
+        from jaxmamba.engine.batch import Bucket, StepBuilder
+
+        m, where = self.artifact.manifest, self.artifact.where
+        engine = EngineConfig(**m["engine"])
+        builder = StepBuilder(self.cache_spec, engine.max_pages_per_seq, self.cfg.vocab_size,
+                              self.cfg.chunk_size)  # fmt: skip
+        for key, entry in self._entries.items():
+            for sampler, node in programs(entry):
+                inputs = self.program_inputs((Bucket(*key), sampler), builder.padding)
+                expected = [_aval(PackedStepInputs.pack(inputs).buffer)]
+                held = input_avals(entry, node)[-1:]
+                if held != expected:
+                    raise ArtifactError(
+                        f"{where}: bucket {key} ({sampler} sampler) field 'inputs' ends with "
+                        f"{held}, expected {expected} (the packed StepInputs this jaxmamba "
+                        f"sends it, {'with' if inputs.token_bitmask is not None else 'without'}"
+                        f" the token bitmask: field 'structured_outputs' holds "
+                        f"{m.get('structured_outputs')!r})"
+                    )
 
     # -- weights ------------------------------------------------------------------------------
     def _expected(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -206,7 +239,8 @@ class ArtifactRunner(StepRunner):
             exported = jax.export.deserialize(bytearray(path.read_bytes()))
         except Exception as e:
             raise ArtifactError(f"{path}: corrupted: jax.export cannot read it ({e})") from e
-        _check_exported(exported, entry, key, self.platform, self.artifact.where)
+        expected = {"inputs": input_avals(entry, node), "outputs": entry["outputs"]}
+        _check_exported(exported, expected, (key, sampler), self.platform, self.artifact.where)
         fn = self._load_executable(node) or jax.jit(exported.call, donate_argnums=(1, 2))
         with self._lock:
             self._steps.setdefault((key, sampler), fn)
@@ -304,24 +338,28 @@ def _runtime_platform() -> str:
     return runtime_platform()
 
 
-def _check_exported(exported, entry: dict, key, platform: str, where: str) -> None:
-    """The deserialized step's platforms and avals are what the manifest lists."""
+def _check_exported(exported, expected: dict, program: tuple, platform: str, where: str
+                    ) -> None:  # fmt: skip
+    """The deserialized step's platforms and avals are what the manifest lists for the program
+    `(bucket, sampler)` (`expected`: its "inputs" and "outputs")."""
+    key, sampler = program
     if tuple(exported.platforms) != (platform,):
         raise ArtifactError(
-            f"{where}: bucket {key} step holds platforms {list(exported.platforms)}, "
-            f"expected [{platform!r}]"
+            f"{where}: bucket {key} ({sampler} sampler) step holds platforms "
+            f"{list(exported.platforms)}, expected [{platform!r}]"
         )
     for field, avals in (("inputs", exported.in_avals), ("outputs", exported.out_avals)):
         found = [{"shape": [int(d) for d in a.shape], "dtype": np.dtype(a.dtype).name}
                  for a in avals]  # fmt: skip
-        if found != entry[field]:
+        held = expected[field]
+        if found != held:
             bad = next(
-                (i for i, (f, e) in enumerate(zip(found, entry[field], strict=False)) if f != e),
-                min(len(found), len(entry[field])),
+                (i for i, (f, e) in enumerate(zip(found, held, strict=False)) if f != e),
+                min(len(found), len(held)),
             )
             raise ArtifactError(
-                f"{where}: bucket {key} field {field!r}[{bad}] holds "
-                f"{entry[field][bad] if bad < len(entry[field]) else 'nothing'}, the exported "
+                f"{where}: bucket {key} ({sampler} sampler) field {field!r}[{bad}] holds "
+                f"{held[bad] if bad < len(held) else 'nothing'}, the exported "
                 f"step has {found[bad] if bad < len(found) else 'nothing'}"
             )
 

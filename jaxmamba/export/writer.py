@@ -134,15 +134,31 @@ def _aval(x) -> dict:
     return {"shape": [int(d) for d in x.shape], "dtype": np.dtype(x.dtype).name}
 
 
-def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
-    """The abstract `(params, cache, slot_state, inputs)` of one bucket's step, and their
-    treedefs; the inputs packed into one buffer, as the runners pass them."""
+def program_padding(builder, bucket, sampler: str, vocab_size: int, structured: bool):
+    """Padding inputs of the step program `(bucket, sampler)` as the live runner warms it up
+    (`StepRunner.program_inputs`): the builder's padding, with the all-allowing token bitmask
+    where the program takes one (`takes_bitmask`; `structured`: the programs serve structured
+    outputs)."""
+    from jaxmamba.engine.runner import all_allowed_bitmask, takes_bitmask
+
+    inputs = builder.padding(bucket)
+    if structured and takes_bitmask(dataclasses.astuple(bucket), sampler):
+        inputs = all_allowed_bitmask(inputs, vocab_size)
+    return inputs
+
+
+def step_specs(cfg, spec, dtype, params_tree, builder, bucket, sampler: str = "full",
+               structured: bool = False):  # fmt: skip
+    """The abstract `(params, cache, slot_state, inputs)` of one bucket's step program
+    (`sampler`; `structured`: with the token bitmask where it takes one, `program_padding`),
+    and their treedefs; the inputs packed into one buffer, as the runners pass them."""
     from jaxmamba.model.cache import cache_shapes
     from jaxmamba.model.metadata import PackedStepInputs
     from jaxmamba.model.step import init_slot_state
 
     slot_state = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
-    inputs = PackedStepInputs.pack(builder.padding(bucket))
+    padding = program_padding(builder, bucket, sampler, cfg.vocab_size, structured)
+    inputs = PackedStepInputs.pack(padding)
     args = (params_tree, cache_shapes(cfg, spec, dtype), slot_state, inputs)
     trees = tuple(jax.tree.structure(a) for a in args)
     flat = tuple(
@@ -154,13 +170,14 @@ def step_specs(cfg, spec, dtype, params_tree, builder, bucket):
 
 
 def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, impl=None,
-                sampler: str = "full"):  # fmt: skip
+                sampler: str = "full", structured: bool = False):  # fmt: skip
     """`jax.export` of one bucket's step for `platform` (flat leaves in and out), with the
-    `sampler` program (`jaxmamba.engine.runner.FULL`, `PLAIN` or `GREEDY`)."""
+    `sampler` program (`jaxmamba.engine.runner.FULL`, `PLAIN` or `GREEDY`); `structured`: it
+    takes the token bitmask where `takes_bitmask` says."""
     from jaxmamba.model.model import Mamba2HybridLM
 
     model = Mamba2HybridLM(cfg, dtype, impl or PLATFORM_IMPLS[platform])
-    flat, trees = step_specs(cfg, spec, dtype, params_tree, builder, bucket)
+    flat, trees = step_specs(cfg, spec, dtype, params_tree, builder, bucket, sampler, structured)
     fn = jax.jit(
         functools.partial(_flat_step, trees=trees, model=model, spec=spec,
                           num_decode=bucket.num_decode, sampler=sampler),
@@ -240,7 +257,7 @@ def _export_job(job) -> tuple[bytes, float]:
     from jaxmamba.engine.batch import Bucket
     from jaxmamba.model.dtypes import DTYPES
 
-    model, engine, dtype, quantization, bucket, platform, sampler = job
+    model, engine, dtype, quantization, bucket, platform, sampler, structured = job
     key = (model, json.dumps(engine, sort_keys=True), dtype, quantization)
     if key not in _WORKER_SETUP:
         dtype_name, cfg, *rest = _setup(model, engine, dtype)
@@ -250,7 +267,7 @@ def _export_job(job) -> tuple[bytes, float]:
     jdtype = DTYPES[dtype_name]
     start = time.perf_counter()
     exp = export_step(cfg, spec, jdtype, tree, builder, Bucket(*bucket), platform,
-                      sampler=sampler)  # fmt: skip
+                      sampler=sampler, structured=structured)  # fmt: skip
     return exp.serialize(), time.perf_counter() - start
 
 
@@ -285,6 +302,7 @@ def export_artifact(
     executables: bool = False,
     workers: int = 1,
     sampler_variants: bool | None = None,
+    structured_outputs: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Export `model` (a preset, YAML or HF checkpoint) served with the `engine` settings
@@ -305,9 +323,17 @@ def export_artifact(
     (default: unless `JAXMAMBA_SAMPLER_VARIANTS=0`) also exports each pure decode bucket's
     sort-free PLAIN and argmax-only GREEDY sampler programs, which serving runs when no row of
     a decode step needs what they leave out (`jaxmamba.engine.runner.choose_sampler`); False
-    (`--no-sampler-variants`) exports one program a bucket."""
+    (`--no-sampler-variants`) exports one program a bucket. `structured_outputs` (default:
+    unless `JAXMAMBA_STRUCTURED_OUTPUTS=0`): every FULL program takes the token bitmask where
+    `jaxmamba.engine.runner.takes_bitmask` says, as the live runner's do, so the artifact
+    serves constrained requests (the manifest's `structured_outputs` records it)."""
     from jaxmamba.config import checkpoint_dir
-    from jaxmamba.engine.runner import FULL, bucket_samplers, variants_enabled
+    from jaxmamba.engine.runner import (
+        FULL,
+        bucket_samplers,
+        structured_outputs_enabled,
+        variants_enabled,
+    )
     from jaxmamba.engine.scheduler import Scheduler
     from jaxmamba.model.cache import cache_shapes
     from jaxmamba.model.dtypes import DTYPES
@@ -341,16 +367,19 @@ def export_artifact(
     params_tree = param_tree(model, cfg, jdtype, quantization, params)
     if sampler_variants is None:
         sampler_variants = variants_enabled()
+    if structured_outputs is None:
+        structured_outputs = structured_outputs_enabled()
 
     def samplers(bucket) -> tuple[str, ...]:
         return bucket_samplers(bucket.num_rows, bucket.num_decode) if sampler_variants else (FULL,)
 
     exported = {}  # (bucket, platform, sampler) -> serialized step, from the workers
     if workers > 1:
-        jobs = [(str(model), engine, dtype, quantization, dataclasses.astuple(b), p, s)
+        jobs = [(str(model), engine, dtype, quantization, dataclasses.astuple(b), p, s,
+                 structured_outputs)
                 for b in buckets for p in platforms for s in samplers(b)]  # fmt: skip
         for job, (blob, _) in zip(jobs, _export_in_workers(jobs, workers, say), strict=True):
-            exported[job[4:]] = blob
+            exported[job[4:7]] = blob
 
     weights_entry = None
     if weights:
@@ -380,7 +409,7 @@ def export_artifact(
             blob = exported.get((dataclasses.astuple(bucket), platform, sampler))
             if blob is None:
                 exp = export_step(cfg, spec, jdtype, params_tree, builder, bucket, platform,
-                                  sampler=sampler)  # fmt: skip
+                                  sampler=sampler, structured=structured_outputs)  # fmt: skip
                 blob = exp.serialize()
             else:
                 exp = jax.export.deserialize(bytearray(blob))
@@ -403,13 +432,18 @@ def export_artifact(
                 }
             avals = {"inputs": [_aval(a) for a in exp.in_avals],
                      "outputs": [_aval(a) for a in exp.out_avals]}  # fmt: skip
-            if "inputs" not in entry:
+            if "inputs" not in entry:  # the FULL program, exported first
                 entry.update(avals)
                 entry["in_shardings"] = [str(s) for s in exp.in_shardings_hlo]
                 entry["out_shardings"] = [str(s) for s in exp.out_shardings_hlo]
                 entry["num_devices"] = exp.nr_devices
-            elif any(entry[k] != v for k, v in avals.items()):
-                raise RuntimeError(f"bucket {name}: the {sampler} program's signature differs")
+            elif avals["outputs"] != entry["outputs"]:
+                raise RuntimeError(f"bucket {name}: the {sampler} program's outputs differ")
+            elif avals["inputs"] != entry["inputs"]:  # its buffer holds no token bitmask
+                if node.get("inputs", avals["inputs"]) != avals["inputs"]:
+                    raise RuntimeError(f"bucket {name}: the {sampler} program's inputs differ "
+                                       f"between platforms")  # fmt: skip
+                node["inputs"] = avals["inputs"]
             say(f"exported {platform} step T={bucket.num_tokens} B={bucket.num_rows} "
                 f"decode={bucket.num_decode} ({sampler} sampler) in "
                 f"{time.perf_counter() - start:.1f} s")  # fmt: skip
@@ -439,6 +473,7 @@ def export_artifact(
         "engine": dataclasses.asdict(engine_cfg),
         "cache": spec._asdict(),
         "input_fields": list(StepInputs._fields),
+        "structured_outputs": structured_outputs,
         "state": {
             "params": len(slot_avals[0]),
             "cache": [_aval(a) for a in jax.tree.leaves(cache_shapes(cfg, spec, jdtype))],
