@@ -4,7 +4,10 @@ against `apply_bitmask_ref`; constrained rows beside unconstrained ones, n > 1, 
 strings, prefix caching; bad constraints; no compile after warm-up."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -372,3 +375,38 @@ def test_every_full_program_takes_the_bitmask_and_nothing_recompiles(llm):
         assert sampler == FULL or not constrained_row, program
         seen.add((sampler, constrained_row))
     assert {("full", True), ("full", False), ("greedy", False)} <= seen, seen
+
+
+TP_SCRIPT = """
+import json, sys
+from jaxmamba import LLM, SamplingParams, StructuredOutputsParams
+seen = {}
+for n in (1, 2):
+    llm = LLM("nemotron-h-demo", tensor_parallel_size=n, max_num_seqs=2, max_model_len=128,
+              compilation_cache=False)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=1,
+                             structured_outputs=StructuredOutputsParams(**kw))
+              for kw in ({"regex": "[a-z]{3}_[0-9]{2}"}, {"choice": ["alpha", "beta"]})]
+    outs = llm.generate(["def main(", "x = "], params, use_tqdm=False)
+    seen[n] = [(o.outputs[0].text, o.outputs[0].token_ids,
+                [c[t].logprob for c, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+               for o in outs]
+json.dump(seen, open(sys.argv[1], "w"))
+"""
+
+
+def test_constrained_requests_under_tensor_parallelism_equal_one_device(tmp_path):
+    """TP 2 (two CPU devices, in a fresh process): the sharded FULL program takes the token
+    bitmask, so a regex and a choice give one device's tokens and logprobs."""
+    out = tmp_path / "seen.json"
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    seen = json.loads(out.read_text())
+    (regex, choice) = seen["1"]
+    assert re.fullmatch("[a-z]{3}_[0-9]{2}", regex[0]) and choice[0] in ("alpha", "beta")
+    for one, two in zip(seen["1"], seen["2"], strict=True):
+        assert one[:2] == two[:2]
+        np.testing.assert_allclose(one[2], two[2], atol=2e-4)
