@@ -73,9 +73,14 @@ def test_speculative_config_flag_is_json_from_the_settings_field():
     assert parser.parse_args([]).speculative_config is None
 
 
-def test_unsupported_combinations_are_refused():
+def test_unsupported_combinations_are_refused(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM("nemotron-h-tiny", speculative_config=NGRAM, tensor_parallel_size=2)
+    from jaxmamba.export.writer import export_artifact
+
+    with pytest.raises(ValueError, match="speculative_config: an exported artifact"):
+        export_artifact("nemotron-h-tiny", tmp_path / "art", engine={"speculative_config": NGRAM})
+    assert not (tmp_path / "art").exists()
 
 
 # -- the verify step's recurrent math ---------------------------------------------------------

@@ -342,6 +342,11 @@ def export_artifact(
     from jaxmamba.step_contract import StepInputs
 
     say = progress or (lambda _msg: None)
+    if (engine or {}).get("speculative_config") is not None:
+        raise ValueError(
+            "speculative_config: an exported artifact holds no verify programs yet; export "
+            "without it (speculative decoding runs on the live engine: docs/speculative.md)"
+        )
     if platforms is None:
         platforms = (runtime_platform(),)
     unknown = sorted(set(platforms) - set(PLATFORM_IMPLS))
