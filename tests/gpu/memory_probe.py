@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
-from jaxmamba.engine.runner import ModelRunner, jitted_step, step_temporary_bytes
+from jaxmamba.engine.runner import FULL, ModelRunner, jitted_step, step_temporary_bytes
 from jaxmamba.export.compile_cache import setup_compilation_cache
 from jaxmamba.model.cache import CacheSpec
 from jaxmamba.model.families import config_from_preset
@@ -58,7 +58,8 @@ def main() -> None:
     inputs = StepBuilder(spec, max_pages, cfg.vocab_size, cfg.chunk_size).build(rows, bucket)
     planned = step_temporary_bytes(cfg, params, spec, inputs, 0, dtype=dtype, impl="auto")
 
-    step_args, kwargs = runner.step_args(PackedStepInputs.pack(inputs), 0)
+    run = runner.program_inputs((bucket, FULL), lambda _: inputs)  # the engine's (bitmask too)
+    step_args, kwargs = runner.step_args(PackedStepInputs.pack(run), 0)
     compiled = jitted_step.lower(*step_args, **kwargs).compile()
     step_args = jax.block_until_ready(jax.device_put(step_args))
     device = jax.devices()[0]
