@@ -342,6 +342,46 @@ def test_seeded_sampling_reproduces_with_speculation(demo_pair):
     assert _tokens(first) == _tokens(again)
 
 
+def test_verify_steps_that_keep_no_draft_pause_speculation_with_a_growing_pause():
+    """Host policy (`Scheduler.verified`): 4 verify steps in a row that keep no draft pause
+    speculation for 8 decode steps, each further such step doubles the pause (to 1024), and a
+    kept draft ends it. Over 10,000 decode steps that never keep a draft, at most 1 % of the
+    steps verify."""
+    from types import SimpleNamespace
+
+    from jaxmamba.engine.scheduler import (
+        SPEC_MISSES_TO_PAUSE,
+        SPEC_PAUSE,
+        SPEC_PAUSE_MAX,
+        Scheduler,
+    )  # fmt: skip
+    from jaxmamba.model.families import load_config
+
+    engine = EngineConfig(max_num_seqs=4, max_model_len=64, speculative_config=NGRAM)
+    scheduler = Scheduler(load_config("nemotron-h-tiny"), engine)
+    rows = [SimpleNamespace(request=SimpleNamespace(params=SamplingParams(), matcher=None))]
+
+    def run(steps: int, accepted: int) -> list[bool]:
+        spoke = []
+        for _ in range(steps):
+            spoke.append(scheduler.speculates(rows))
+            if spoke[-1]:
+                scheduler.verified(accepted)
+        return spoke
+
+    spoke = run(SPEC_MISSES_TO_PAUSE + SPEC_PAUSE + 1 + 2 * SPEC_PAUSE + 1, accepted=0)
+    pause_1 = [False] * SPEC_PAUSE
+    pause_2 = [False] * (2 * SPEC_PAUSE)
+    assert spoke == [True] * SPEC_MISSES_TO_PAUSE + pause_1 + [True] + pause_2 + [True]
+    assert scheduler.spec_paused_steps == 3 * SPEC_PAUSE
+    assert sum(run(10_000, accepted=0)) <= 100  # the pause grows to SPEC_PAUSE_MAX
+    assert scheduler._spec_backoff == SPEC_PAUSE_MAX
+    while not scheduler.speculates(rows):  # the pause runs out; a probe keeps a draft
+        pass
+    scheduler.verified(1)
+    assert all(run(50, accepted=1))  # speculating on every step again
+
+
 def test_penalties_and_batches_past_disable_by_batch_size_do_not_verify():
     llm = LLM(DEMO, speculative_config={**NGRAM, "disable_by_batch_size": 1}, **ENGINE)
     scheduler, steps = llm.engine.scheduler, []

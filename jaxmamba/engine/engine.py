@@ -630,6 +630,7 @@ class LLMEngine:
         counters move on by what the row kept beyond the one token it counted."""
         st, k = self.stats, step.num_spec
         st.verify_steps += 1
+        self.scheduler.verified(int(sum(verified.accepted[: len(step.rows)])))
         samples, num = verified.samples, verified.num_positions
         tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
         now = time.perf_counter()
@@ -796,6 +797,7 @@ class LLMEngine:
         if st.drafted:  # speculative decoding (vLLM's spec_decode metrics, per position too)
             drafted, accepted = sum(st.drafted), sum(st.accepted)
             out["spec_verify_steps"] = st.verify_steps
+            out["spec_paused_steps"] = s.spec_paused_steps  # no draft kept: not speculating
             out["spec_draft_tokens"] = drafted
             out["spec_accepted_tokens"] = accepted
             out["spec_acceptance_rate"] = accepted / max(drafted, 1)

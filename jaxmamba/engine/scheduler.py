@@ -109,6 +109,14 @@ class ScheduledStep:
         return i + self.bucket.num_decode - self.num_decode_rows
 
 
+# Speculation pauses by measured acceptance (`Scheduler.verified`): after this many verify
+# steps in a row that kept no draft, decode steps stop speculating for `SPEC_PAUSE` steps,
+# doubling with each further such verify step up to `SPEC_PAUSE_MAX`.
+SPEC_MISSES_TO_PAUSE = 4
+SPEC_PAUSE = 8
+SPEC_PAUSE_MAX = 1024
+
+
 class Scheduler:
     def __init__(self, model_cfg: ModelConfig, config: EngineConfig):
         self.model_cfg = model_cfg
@@ -146,6 +154,10 @@ class Scheduler:
         self._prompts_ending: set[int] = set()
         self.running: list[Request] = []
         self.speculative = config.speculative_config  # SpeculativeConfig | None
+        self._spec_misses = 0  # verify steps read since one last kept a draft
+        self._spec_pause = 0  # decode steps left that do not speculate (`verified`)
+        self._spec_backoff = 0  # the length of the last pause
+        self.spec_paused_steps = 0  # decode steps that did not speculate for a pause
 
     # -- buckets ------------------------------------------------------------------------------
     def all_buckets(self) -> list[Bucket]:
@@ -193,7 +205,26 @@ class Scheduler:
                          or p.repetition_penalty != 1)  # fmt: skip
             if penalised or row.request.matcher is not None:
                 return False
+        if self._spec_pause > 0:
+            self._spec_pause -= 1
+            self.spec_paused_steps += 1
+            return False
         return True
+
+    def verified(self, accepted: int) -> None:
+        """A verify step was read, and its rows kept `accepted` drafts in all. After
+        `SPEC_MISSES_TO_PAUSE` verify steps in a row that kept none, decode steps stop
+        speculating for `SPEC_PAUSE` steps, a pause that doubles with every verify step after
+        it that keeps none (up to `SPEC_PAUSE_MAX`); a kept draft ends it. A workload the
+        drafts never match then runs about one verify step in `SPEC_PAUSE_MAX` once the pauses
+        have grown (the verify steps cost more than decode steps at large batch)."""
+        if accepted > 0:
+            self._spec_misses = self._spec_backoff = 0
+            return
+        self._spec_misses += 1
+        if self._spec_misses >= SPEC_MISSES_TO_PAUSE:
+            self._spec_backoff = min(max(2 * self._spec_backoff, SPEC_PAUSE), SPEC_PAUSE_MAX)
+            self._spec_pause = self._spec_backoff
 
     def accepted(self, req: Request, extra: int) -> None:
         """A verify step's row kept `extra` tokens more than the one it was counted for: move
