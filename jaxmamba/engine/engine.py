@@ -612,15 +612,24 @@ class LLMEngine:
                 if error is not None:  # never continue unconstrained
                     self._end_with_error(req, f"structured_outputs: {error}", deltas)
                     continue
-            req.output_token_ids.append(token)
-            req.cumulative_logprob += logprob
-            if req.first_token_time is None:
-                req.first_token_time = now
-            top = None
-            if req.params.logprobs is not None:
-                top = self._logprobs(sampled, i, token, logprob, req.params.logprobs)
-                req.output_logprobs.append(top)
-            deltas.setdefault(req.request_id, []).append(self._advance(req, token, top, now))
+            deltas.setdefault(req.request_id, []).append(
+                self._emit(req, sampled, i, token, logprob, now)
+            )
+
+    def _emit(self, req: Request, sampled, i: int, token: int, logprob: float, now: float
+              ) -> CompletionOutput:  # fmt: skip
+        """Append one sampled token (output row `i` of `sampled`) to `req`, with its logprob
+        and the top logprobs it asks for, and advance the request (stop rules, detokenizing):
+        returns the delta to stream."""
+        req.output_token_ids.append(token)
+        req.cumulative_logprob += logprob
+        if req.first_token_time is None:
+            req.first_token_time = now
+        top = None
+        if req.params.logprobs is not None:
+            top = self._logprobs(sampled, i, token, logprob, req.params.logprobs)
+            req.output_logprobs.append(top)
+        return self._advance(req, token, top, now)
 
     def _take_verified(self, step: ScheduledStep, verified,
                        deltas: dict[str, list[CompletionOutput]]) -> None:  # fmt: skip
@@ -645,16 +654,7 @@ class LLMEngine:
                 continue
             self.scheduler.accepted(req, accepted)
             for j in range(i * num, i * num + accepted + 1):
-                token, logprob = tokens[j], logprobs[j]
-                req.output_token_ids.append(token)
-                req.cumulative_logprob += logprob
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                top = None
-                if req.params.logprobs is not None:
-                    top = self._logprobs(samples, j, token, logprob, req.params.logprobs)
-                    req.output_logprobs.append(top)
-                completion = self._advance(req, token, top, now)
+                completion = self._emit(req, samples, j, tokens[j], logprobs[j], now)
                 mine = deltas.setdefault(req.request_id, [])
                 if mine and mine[-1].index == completion.index:
                     mine[-1].add(completion)

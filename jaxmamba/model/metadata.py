@@ -173,18 +173,12 @@ class ForwardMetadata(NamedTuple):
         track_slots, track_lens = inputs.track_slots, inputs.track_lens
         if track_slots.ndim == 1:
             track_slots, track_lens = track_slots[:, None], track_lens[:, None]
+        every_step = dict(token_rows=token_rows, token_valid=token_valid, positions=positions,
+                          kv_slot_mapping=kv_slot_mapping, page_table=inputs.page_table,
+                          last_token_index=last_token_index)  # fmt: skip
         if num_spec:
-            return ForwardMetadata(
-                token_rows=token_rows,
-                token_valid=token_valid,
-                positions=positions,
-                kv_slot_mapping=kv_slot_mapping,
-                page_table=inputs.page_table,
-                last_token_index=last_token_index,
-                decode=None,
-                prefill=None,
-                verify=VerifyMetadata(inputs.state_slots, 1 + num_spec),
-            )
+            verify = VerifyMetadata(inputs.state_slots, 1 + num_spec)
+            return ForwardMetadata(**every_step, decode=None, prefill=None, verify=verify)
         decode = None
         if num_decode > 0:
             slots = inputs.state_slots[:num_decode]
@@ -236,13 +230,4 @@ class ForwardMetadata(NamedTuple):
                 tracked=tracked_requests(num_chunks, track_chunks, all_chunks=False),
             )
 
-        return ForwardMetadata(
-            token_rows=token_rows,
-            token_valid=token_valid,
-            positions=positions,
-            kv_slot_mapping=kv_slot_mapping,
-            page_table=inputs.page_table,
-            last_token_index=last_token_index,
-            decode=decode,
-            prefill=prefill,
-        )
+        return ForwardMetadata(**every_step, decode=decode, prefill=prefill)
