@@ -241,7 +241,6 @@ def sample(
     ``draw=False`` leaves out the random draw, exact only when every row is greedy;
     ``ranks=False`` leaves out the ranks (zeros), for steps where no row asks for logprobs.
     """
-    vocab = logits.shape[-1]
     raw = logits.astype(jnp.float32)
     log_norm = jax.nn.logsumexp(raw, axis=-1)
     processed = raw
@@ -256,11 +255,20 @@ def sample(
         tokens = jnp.where(temperature > 0, _draw(processed, temperature, top_p, top_k, min_p,
                                                   seeds, counters, cutoff), tokens)  # fmt: skip
 
+    return sample_output(raw, log_norm, tokens, ranks=ranks, top_logprobs=top_logprobs)
+
+
+def sample_output(raw: jax.Array,  # f32[B, V] the model's logits
+                  log_norm: jax.Array,  # f32[B] their log-sum-exp
+                  tokens: jax.Array,  # i32[B] the tokens sampled
+                  *, ranks: bool, top_logprobs: bool) -> SampleOutput:  # fmt: skip
+    """The sampled tokens with their logprobs under the raw model, their 1-based ranks
+    (zeros unless `ranks`) and the top `MAX_LOGPROBS` logprobs (zeros unless `top_logprobs`)."""
     token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
     rank = jnp.zeros(tokens.shape, jnp.int32)
     if ranks:
         rank = jnp.sum(raw >= token_logits, axis=-1).astype(jnp.int32)
-    k = min(MAX_LOGPROBS, vocab)
+    k = min(MAX_LOGPROBS, raw.shape[-1])
     top_ids = jnp.zeros((raw.shape[0], k), jnp.int32)
     top_lp = jnp.zeros((raw.shape[0], k), jnp.float32)
     if top_logprobs:

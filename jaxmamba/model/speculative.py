@@ -44,8 +44,7 @@ from jax import lax
 from jaxmamba.kernels.common import process_dt
 from jaxmamba.kernels.gdn import gdn_gating
 from jaxmamba.kernels.gdn.ref import _value_heads_qk
-from jaxmamba.model.sampling import SampleOutput, filter_cutoff, process_logits, top_k_blocked
-from jaxmamba.step_contract import MAX_LOGPROBS
+from jaxmamba.model.sampling import SampleOutput, filter_cutoff, process_logits, sample_output
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -341,18 +340,7 @@ def verify_sample(
     leading = jnp.cumprod(accept.reshape(rows, num)[:, :k].astype(jnp.int32), axis=1)
     accepted = jnp.sum(leading, axis=1).astype(jnp.int32)
 
-    token_logits = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
-    rank = jnp.zeros(tokens.shape, jnp.int32)
-    if ranks:
-        rank = jnp.sum(raw >= token_logits, axis=-1).astype(jnp.int32)
-    width = min(MAX_LOGPROBS, vocab)
-    top_ids = jnp.zeros((raw.shape[0], width), jnp.int32)
-    top_lp = jnp.zeros((raw.shape[0], width), jnp.float32)
-    if top_logprobs:
-        top_logits, top_ids = top_k_blocked(raw, width)
-        top_lp = top_logits - log_norm[:, None]
-    out = SampleOutput(tokens, token_logits[:, 0] - log_norm, rank, top_ids.astype(jnp.int32),
-                       top_lp)  # fmt: skip
+    out = sample_output(raw, log_norm, tokens, ranks=ranks, top_logprobs=top_logprobs)
     return out, accepted
 
 
