@@ -201,7 +201,7 @@ class ByteTokenizer(_TransformersMethods):
 
     def __init__(self):
         self.special_tokens = dict(self._SPECIALS)
-        self._tokens = [*_byte_level_chars(), *self._SPECIALS.values()]
+        self._tokens = [*byte_level_chars(), *self._SPECIALS.values()]
         self._ids = {t: i for i, t in enumerate(self._tokens)}
 
     def __len__(self) -> int:
@@ -224,7 +224,7 @@ class ByteTokenizer(_TransformersMethods):
         return self._ids.get(token)
 
 
-def _byte_level_chars() -> list[str]:
+def byte_level_chars() -> list[str]:
     """GPT-2's byte-to-character map (what the ByteLevel pre-tokenizer applies): printable
     Latin-1 bytes stand for themselves, the others for the characters from U+0100 on."""
     printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}

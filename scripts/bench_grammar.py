@@ -99,9 +99,9 @@ def build_tokenizer(vocab_size: int) -> str:
 
 def token_bytes(tok) -> list[bytes]:
     """The bytes each id stands for (specials: b"")."""
-    from jaxmamba.tokenizer import _byte_level_chars
+    from jaxmamba.tokenizer import byte_level_chars
 
-    decode = {c: b for b, c in enumerate(_byte_level_chars())}
+    decode = {c: b for b, c in enumerate(byte_level_chars())}
     special = {t.content for t in tok.get_added_tokens_decoder().values()}
     out = []
     for i in range(tok.get_vocab_size()):

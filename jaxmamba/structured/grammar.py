@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxmamba.structured.bitmask import bitmask_words
 from jaxmamba.structured.params import StructuredOutputsParams
+from jaxmamba.tokenizer import byte_level_chars
 
 # Errors say what is wrong, without the parser's state dump.
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
@@ -117,7 +118,7 @@ def _added_tokens_as_text(source: str) -> str:
     if not added or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         return source
     if "ByteLevel" in json.dumps(spec.get("decoder")):
-        chars = _byte_level_chars()
+        chars = byte_level_chars()
         spell = lambda text: "".join(chars[b] for b in text.encode("utf-8"))  # noqa: E731
     elif model.get("byte_fallback"):  # SentencePiece: spaces are "▁"
         spell = lambda text: text.replace(" ", "\u2581")  # noqa: E731
@@ -129,19 +130,6 @@ def _added_tokens_as_text(source: str) -> str:
             vocab[spell(token["content"])] = token["id"]
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t not in added]
     return json.dumps(spec, ensure_ascii=False)
-
-
-def _byte_level_chars() -> list[str]:
-    """GPT-2's byte-level map: the character the ByteLevel pre-tokenizer writes for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
 
 
 def _tokenizer_size(tokenizer, source) -> int:
