@@ -4,7 +4,9 @@ plain-jnp reference (and to its GPU kernel in interpret mode), each against HF t
 (torch, CPU) in float32 and bfloat16. The op whose `ref` (or interpreted kernel) brings the
 error back to the `impl="ref"` row is the culprit.
 
-    python3 scripts/dev/gpu_kernel_bisect.py        # on the GPU machine, from the checkout root
+    python3 scripts/dev/gpu_kernel_bisect.py             # on the GPU machine, from the checkout
+    python3 scripts/dev/gpu_kernel_bisect.py --quick     # bf16 on the plain checkpoint only
+    python3 scripts/dev/gpu_kernel_bisect.py --variants  # bf16: every op ref at once, small-M off
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def patch_dispatch() -> list[str]:
 
 
 def logits_err(path, model, dtype, impl: str, lengths, small_m_impl=None) -> float:
+    # `jitted_logits` is one module-level jit keyed on the model's fields, which `FORCED` does
+    # not change: without this every forced row would rerun the first `auto` executable.
+    jax.clear_caches()
     cfg = load_config(str(path))
     params = load_hf_checkpoint(path, cfg, dtype=dtype)
     spec = CacheSpec(num_slots=8, num_pages=8 * 16, page_size=16)
@@ -122,9 +127,12 @@ def main() -> None:
         ),
     }  # fmt: skip
     lengths = [1, 7, 21, 11]
+    dtypes = (jnp.float32, jnp.bfloat16)
+    if "--quick" in sys.argv:  # bf16 on the plain checkpoint only
+        models, dtypes = {"falcon-plain": models["falcon-plain"]}, (jnp.bfloat16,)
     rows = []
     for name, (path, model) in models.items():
-        for dtype in (jnp.float32, jnp.bfloat16):
+        for dtype in dtypes:
             dn = jnp.dtype(dtype).name
             for impl in ("ref", "auto"):
                 rows.append((name, dn, impl, "-", logits_err(path, model, dtype, impl, lengths)))
