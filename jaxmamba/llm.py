@@ -17,7 +17,7 @@ import logging
 import sys
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -129,7 +129,9 @@ class LLM:
         if params is None:
             params = _load_params_for(model, self.model_cfg, self.dtype, run.seed,
                                       tensor_parallel_size, run.quantization)  # fmt: skip
-        self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, run.impl)
+        draft = load_draft(self.engine_cfg, self.model_cfg, self.dtype, run)
+        self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, run.impl,
+                                     draft=draft)  # fmt: skip
         self.engine_cfg = dataclasses.replace(
             self.engine_cfg,
             num_state_slots=self.cache_plan.state_slots,
@@ -145,7 +147,8 @@ class LLM:
         self.runner = ModelRunner(
             self.model_cfg, params, spec, dtype=self.dtype, impl=run.impl,
             tensor_parallel_size=tensor_parallel_size,
-            speculative=ngram_spec(self.engine_cfg),
+            speculative=speculative_spec(self.engine_cfg, draft),
+            draft_params=None if draft is None else draft.params,
         )  # fmt: skip
         if tensor_parallel_size > 1:  # several processes: process 0 sends every step
             from jaxmamba.parallel.multihost import leader
@@ -315,12 +318,14 @@ def _init_signature() -> inspect.Signature:
 LLM.__init__.__signature__ = _init_signature()
 
 
-def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: str = "auto"):
+def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: str = "auto", *,
+               draft: Draft | None = None):  # fmt: skip
     """The cache's slots and pages (`memory.CachePlan`), sized as jaxmamba/engine/memory.py
     says, and logged. GPU/TPU: from the device's memory after the weights (in use) and the
     temporaries of the hungriest program, every program compiled at the planned cache's
     shapes (`_fit_every_program`); CPU: the given or default sizes, checked against the
-    host's MemAvailable."""
+    host's MemAvailable. A draft model's (`draft`) states and KV pages share the target's
+    slots and pages, so each slot and page holds both."""
     import jax
 
     from jaxmamba.engine import memory
@@ -334,6 +339,11 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
         shard_cfg = TensorParallelPlan(model_cfg, tp).shard_config()
     per_slot = memory.slot_bytes(shard_cfg, itemsize, jnp.dtype(cfg.ssm_dtype).itemsize)
     per_page = memory.page_bytes(shard_cfg, cfg.page_size, cfg.kv_itemsize(itemsize))
+    if draft is not None:
+        conv, state = draft.spec.model.cfg.slot_state_elements()
+        per_slot += state * jnp.dtype(cfg.ssm_dtype).itemsize + conv * itemsize
+        per_page += memory.page_bytes(draft.spec.model.cfg, cfg.page_size,
+                                      cfg.kv_itemsize(itemsize))  # fmt: skip
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     plan = functools.partial(
         memory.plan_cache,
@@ -394,7 +404,8 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
         budget = memory.cache_budget(limit=mem.limit, in_use=mem.in_use, utilization=u,
                                      temporaries=0)  # fmt: skip
         plan(budget=budget, budget_what=f"{what} - in use")  # too small even before temporaries
-        result, temps = _fit_every_program(model_cfg, cfg, params, dtype, impl, plan, budget, what)
+        result, temps = _fit_every_program(model_cfg, cfg, params, dtype, impl, plan, budget, what,
+                                           draft)  # fmt: skip
         gib = lambda n: f"{n / memory.GiB:.2f} GiB"  # noqa: E731
         how = f"{what} - {gib(mem.in_use)} in use (weights {gib(weights)}) - {gib(temps)} temps"
     result = dataclasses.replace(result, note=f"memory: {how}")
@@ -403,7 +414,7 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
 
 
 def _fit_every_program(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl, plan,
-                       budget: int, what: str):  # fmt: skip
+                       budget: int, what: str, draft: Draft | None = None):  # fmt: skip
     """`(plan, temporaries)`: the cache planned within `budget` so that every program the
     engine can run fits beside it. The largest steps' temporaries, probed on a small cache,
     are reserved first; then every program (each bucket's step with its sampler variants,
@@ -417,7 +428,7 @@ def _fit_every_program(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype,
     from jaxmamba.engine import memory
     from jaxmamba.engine.runner import program_name
 
-    reserved = _largest_step_temporaries(model_cfg, cfg, params, dtype, impl)
+    reserved = _largest_step_temporaries(model_cfg, cfg, params, dtype, impl, draft)
     sizes = plan.keywords  # the bytes of a slot, a page and the fixed part (`size_cache`)
     slots = cfg.num_state_slots or cfg.max_num_seqs
     pages = cfg.num_pages or cfg.max_pages_per_seq
@@ -429,10 +440,10 @@ def _fit_every_program(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype,
                           budget_what=f"{what} - in use - step temporaries")  # fmt: skip
         except ValueError as e:
             too_big = _programs_too_big(model_cfg, cfg, params, dtype, impl, smallest, budget,
-                                        what)  # fmt: skip
+                                        what, draft)  # fmt: skip
             raise (too_big or e) from None
         needs = _program_needs(model_cfg, cfg, params, dtype, impl, result.state_slots,
-                               result.pages)  # fmt: skip
+                               result.pages, draft)  # fmt: skip
         needs = {p: n or 0 for p, n in needs.items()}
         worst = max(needs, key=needs.get)
         if needs[worst] <= reserved:
@@ -442,7 +453,8 @@ def _fit_every_program(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype,
                     memory.fmt_bytes(needs[worst]), memory.fmt_bytes(reserved))  # fmt: skip
         seen.append((result.cache_bytes, needs))
         reserved = _reserve_again(seen, budget, smallest)
-    too_big = _programs_too_big(model_cfg, cfg, params, dtype, impl, smallest, budget, what)
+    too_big = _programs_too_big(model_cfg, cfg, params, dtype, impl, smallest, budget, what,
+                                draft)  # fmt: skip
     raise too_big or RuntimeError(
         "the cache plan did not settle: the programs' temporaries grow with the cache "
         f"({memory.fmt_bytes(reserved)} at the last plan)"
@@ -471,7 +483,8 @@ def _reserve_again(seen: list[tuple[int, dict]], budget: int, smallest: int) -> 
 
 
 def _program_needs(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl,
-                   state_slots: int, pages: int) -> dict[tuple, int | None]:  # fmt: skip
+                   state_slots: int, pages: int,
+                   draft: Draft | None = None) -> dict[tuple, int | None]:  # fmt: skip
     """Every program's device bytes beside its arguments (`StepRunner.compile_programs`),
     compiled for a cache of these sizes, with nothing allocated; a bar shows the progress."""
     from jaxmamba.engine.batch import StepBuilder
@@ -483,7 +496,8 @@ def _program_needs(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, imp
     spec = CacheSpec(state_slots, pages, cfg.page_size, cfg.ssm_dtype, cfg.kv_cache_dtype)
     runner = ModelRunner(model_cfg, params, spec, dtype=dtype, impl=impl,
                          tensor_parallel_size=cfg.tensor_parallel_size, allocate=False,
-                         speculative=ngram_spec(cfg))  # fmt: skip
+                         speculative=speculative_spec(cfg, draft),
+                         draft_params=None if draft is None else draft.params)  # fmt: skip
     builder = StepBuilder(spec, cfg.max_pages_per_seq, model_cfg.vocab_size, model_cfg.chunk_size,
                           speculative=cfg.speculative_config is not None)  # fmt: skip
     buckets = Scheduler(model_cfg, sized).all_buckets()
@@ -491,7 +505,8 @@ def _program_needs(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, imp
 
 
 def _programs_too_big(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl,
-                      smallest: int, budget: int, what: str) -> ValueError | None:  # fmt: skip
+                      smallest: int, budget: int, what: str,
+                      draft: Draft | None = None) -> ValueError | None:  # fmt: skip
     """Why the programs do not fit beside the smallest cache within `budget`, naming the
     setting to lower and the largest value of it whose programs fit (from every program
     compiled beside the smallest cache); None when they fit and the cache itself is what is
@@ -502,7 +517,7 @@ def _programs_too_big(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, 
     slots = cfg.num_state_slots or cfg.max_num_seqs
     pages = cfg.num_pages or cfg.max_pages_per_seq
     needs = {p: n or 0 for p, n in _program_needs(model_cfg, cfg, params, dtype, impl, slots,
-                                                  pages).items()}  # fmt: skip
+                                                  pages, draft).items()}  # fmt: skip
     room = budget - smallest
     worst = max(needs, key=needs.get)
     if needs[worst] <= room:
@@ -528,7 +543,8 @@ def _programs_too_big(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, 
     )
 
 
-def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl):
+def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl,
+                              draft: Draft | None = None):  # fmt: skip
     """The most temporary bytes of the largest prefill/mixed and the largest decode bucket,
     compiled side by side (XLA's compiles release the GIL). With `num_state_slots` and
     `num_pages` both given, the probes have the engine's own cache shapes, so the persistent
@@ -557,18 +573,47 @@ def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params,
     def temporaries(b):
         return step_temporary_bytes(
             model_cfg, params, spec, builder.padding(b), b.num_decode, dtype=dtype, impl=impl,
-            tensor_parallel_size=cfg.tensor_parallel_size, speculative=ngram_spec(cfg),
+            tensor_parallel_size=cfg.tensor_parallel_size, speculative=speculative_spec(cfg, draft),
+            draft_params=None if draft is None else draft.params,
         )  # fmt: skip
 
     with ThreadPoolExecutor(len(largest)) as pool:
         return max(pool.map(temporaries, largest))
 
 
-def ngram_spec(cfg: EngineConfig):
-    """The runner's `NgramSpec` for `cfg.speculative_config` (None without speculation)."""
+class Draft(NamedTuple):
+    """A draft model (speculative_config method "draft_model"): the runner's `DraftSpec`
+    (its module, at the target's chunk size) and its weights."""
+
+    spec: Any  # jaxmamba.model.draft.DraftSpec
+    params: Any
+
+
+def load_draft(cfg: EngineConfig, target: ModelConfig, dtype, run: RunConfig) -> Draft | None:
+    """The draft model `cfg.speculative_config.model` names (a preset, YAML file or checkpoint
+    directory), its weights loaded as the target's are (dtype, quantization; a preset's
+    random weights from the run's seed); None unless the method is "draft_model". A
+    vocabulary other than the target's is a ValueError naming both sizes."""
+    sc = cfg.speculative_config
+    if sc is None or sc.method != "draft_model":
+        return None
+    from jaxmamba.model.draft import draft_spec
+
+    spec = draft_spec(sc.num_speculative_tokens, load_config(sc.model), target, dtype, run.impl)
+    return Draft(spec, load_params(sc.model, spec.model.cfg, dtype, run.seed, run.quantization))
+
+
+def speculative_spec(cfg: EngineConfig, draft: Draft | None = None):
+    """The runner's drafting for `cfg.speculative_config`: an `NgramSpec`, the draft model's
+    `DraftSpec` (`load_draft`), or None without speculation."""
     sc = cfg.speculative_config
     if sc is None:
         return None
+    if sc.method == "draft_model":
+        if draft is None:
+            raise ValueError(f"speculative_config.model={sc.model!r}: the draft model is not "
+                             "loaded (`load_draft`)")  # fmt: skip
+        return draft.spec
     from jaxmamba.model.speculative import NgramSpec
 
     return NgramSpec(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)

@@ -1,13 +1,15 @@
 """Speculative decoding (issue 34, docs/speculative.md): the settings; the verify step's
 recurrent math against the one-token decode references run position by position; prompt
 lookup against a plain-Python one; acceptance and rejection sampling against the target
-distribution computed in float64; and the engine: greedy output token for token the
-non-speculative one (the spec's own definition of correct), sampling that keeps the target
+distribution computed in float64, with penalties that count the drafts before each position;
+and the engine: greedy output token for token the non-speculative one (the spec's own
+definition of correct), with and without penalties, sampling that keeps the target
 distribution, counters, batch-size disable, no host syncs in the verify programs."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +24,7 @@ from jaxmamba.engine.config import EngineConfig, SpeculativeConfig
 from jaxmamba.kernels.conv1d.ref import causal_conv1d_update_ref
 from jaxmamba.kernels.gdn.ref import gdn_decode_ref
 from jaxmamba.kernels.state_update.ref import selective_state_update_ref
+from jaxmamba.model.sampling import Penalties, PenaltyState
 from jaxmamba.model.speculative import (
     NgramSpec,
     commit_conv,
@@ -30,6 +33,7 @@ from jaxmamba.model.speculative import (
     gdn_verify,
     mamba2_verify,
     propose_ngram,
+    record_kept,
     verify_sample,
 )
 from jaxmamba.step_contract import MAX_LOGIT_BIAS, MAX_STOP_IDS
@@ -53,7 +57,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
         ({"method": "ngram", "typo": 1}, "typo"),
         ({"method": "ngram", "model": "x"}, "speculative_config.model"),
         ({"method": "draft_model"}, "speculative_config.model"),
-        ({"method": "draft_model", "model": "nemotron-h-tiny"}, "not implemented"),
         ({"method": "mtp"}, "not implemented"),
         ("{not json", "JSON"),
     ],
@@ -199,7 +202,7 @@ def test_prompt_lookup_matches_a_plain_python_reference():
 # -- acceptance and rejection sampling ----------------------------------------------------------
 
 
-def _verify_rows(logits, drafts, temperature, seeds, **kw):
+def _verify_rows(logits, drafts, temperature, seeds, penalties=None, **kw):
     rows, k = drafts.shape
     return verify_sample(
         jnp.asarray(logits, jnp.float32), jnp.asarray(drafts, jnp.int32), jnp.ones(rows, bool),
@@ -209,7 +212,18 @@ def _verify_rows(logits, drafts, temperature, seeds, **kw):
         jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32), jnp.full((rows, MAX_LOGIT_BIAS), -1,
                                                                  jnp.int32),
         jnp.zeros((rows, MAX_LOGIT_BIAS)),
+        None if penalties is None else Penalties(*map(jnp.asarray, penalties)),
     )  # fmt: skip
+
+
+def _penalised(logits, prompt_mask, counts, presence, frequency, repetition):
+    """vLLM's penalties in float64, one row: a token in the prompt or the output has a positive
+    logit divided by `repetition` and a negative one multiplied; then `frequency` times its
+    output count and `presence` if it was output are subtracted."""
+    z = np.asarray(logits, np.float64)
+    seen = prompt_mask | (counts > 0)
+    z = np.where(seen, np.where(z > 0, z / repetition, z * repetition), z)
+    return z - frequency * counts - presence * (counts > 0)
 
 
 def test_greedy_acceptance_is_the_argmax_prefix():
@@ -229,6 +243,76 @@ def test_greedy_acceptance_is_the_argmax_prefix():
         assert tokens[r, : want[r] + 1].tolist() == best[r, : want[r] + 1].tolist()
 
 
+def test_each_position_is_penalised_with_the_drafts_before_it_as_outputs():
+    """Greedy rows with presence, frequency, repetition, all three and no penalty: the token
+    at every position j is the argmax of the float64 penalties applied with the row's counts
+    plus drafts d_0..d_{j-1}. The row's prompt and earlier outputs are among tokens 0..7,
+    whose logits are low; each position's raw logits favour the draft before it by less
+    than its penalty, so counts without the drafts mostly pick that draft instead (checked:
+    the case has teeth). The drafts are the reference's argmaxes, so every one is accepted."""
+    rng = np.random.default_rng(6)
+    k, vocab, seen_ids = 4, 23, 8
+    params = [(1.5, 0.0, 1.0), (0.0, 1.2, 1.0), (0.0, 0.0, 3.0), (0.8, 0.6, 1.8), (0.0, 0.0, 1.0)]
+    rows = len(params)
+    presence, frequency, repetition = np.array(params, np.float32).T
+    prompt_mask = np.zeros((rows, vocab), bool)
+    prompt_mask[:, :seen_ids] = rng.random((rows, seen_ids)) < 0.5
+    counts = np.zeros((rows, vocab), np.int32)
+    counts[:, :seen_ids] = rng.integers(0, 3, (rows, seen_ids))
+    logits = rng.standard_normal((rows, k + 1, vocab)).astype(np.float32)
+    logits[:, :, :seen_ids] -= 4.0
+
+    def reference(r, j, seen):
+        p = (presence[r], frequency[r], repetition[r])
+        return int(np.argmax(_penalised(logits[r, j], prompt_mask[r], seen, *p)))
+
+    drafts = np.zeros((rows, k), np.int64)
+    stale = 0  # positions where the row's counts alone would choose otherwise
+    for r in range(rows):
+        seen = counts[r].copy()
+        for j in range(k + 1):
+            if j:  # the draft before leads the other tokens by 0.5
+                others = np.delete(logits[r, j], drafts[r, j - 1])
+                logits[r, j, drafts[r, j - 1]] = others.max() + 0.5
+            stale += reference(r, j, seen) != reference(r, j, counts[r])
+            if j < k:
+                drafts[r, j] = reference(r, j, seen)
+                seen[drafts[r, j]] += 1
+    assert stale >= (k - 1) * (rows - 1)  # most later positions of the penalised rows
+    penalties = (prompt_mask, counts, presence, frequency, repetition)
+    out, accepted = _verify_rows(logits.reshape(-1, vocab), drafts, 0.0, np.arange(rows),
+                                 penalties)  # fmt: skip
+    want = np.zeros((rows, k + 1), np.int64)
+    for r in range(rows):
+        seen = counts[r].copy()
+        for j in range(k + 1):
+            want[r, j] = reference(r, j, seen)
+            if j < k:
+                seen[drafts[r, j]] += 1
+    np.testing.assert_array_equal(np.asarray(out.tokens).reshape(rows, k + 1), want)
+    assert np.asarray(accepted).tolist() == [k] * rows
+
+
+def test_a_verify_step_counts_the_fed_tokens_it_kept():
+    """`record_kept`: each row's last sampled token and its accepted drafts are added to its
+    slot's output counts (repeats counted each time); rejected drafts and other slots are
+    untouched, and the prompt mask is kept."""
+    rng = np.random.default_rng(7)
+    slots_n, vocab = 6, 9
+    counts = rng.integers(0, 3, (slots_n + 1, vocab)).astype(np.int32)
+    prompt = rng.random((slots_n + 1, vocab)) < 0.3
+    slots = np.array([4, 1, 2], np.int32)
+    fed = np.array([[3, 5, 5, 0], [7, 7, 7, 7], [2, 8, 1, 6]], np.int32)
+    accepted = np.array([2, 3, 0], np.int32)
+    state = record_kept(PenaltyState(jnp.asarray(prompt), jnp.asarray(counts)),
+                        jnp.asarray(slots), jnp.asarray(fed), jnp.asarray(accepted))  # fmt: skip
+    want = counts.copy()
+    for slot, row, a in zip(slots, fed, accepted, strict=True):
+        np.add.at(want[slot], row[: a + 1], 1)
+    np.testing.assert_array_equal(np.asarray(state.output_counts), want)
+    np.testing.assert_array_equal(np.asarray(state.prompt_mask), prompt)
+
+
 def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     """Pearson's goodness of fit, categories with expected count < 5 pooled."""
     from scipy import stats
@@ -242,20 +326,32 @@ def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-@pytest.mark.parametrize("cut", [{}, {"top_k": 5, "top_p": 0.9}])
+@pytest.mark.parametrize("cut", [{}, {"top_k": 5, "top_p": 0.9}, {"penalties": True}])
 def test_rejection_sampling_keeps_the_target_distribution(cut):
     """Over many seeds, with a fixed draft: the token at position 0 is distributed as the
     target p0 (float64 softmax, after top-k/top-p), the draft is accepted with probability
     p0(d) (a binomial check), and the token after an accepted draft is distributed as p1.
-    Fixed seeds: the test is deterministic; each check fails by chance with p < 1e-4."""
+    With penalties, p1 is penalised with the draft counted as an output (the raw logits at
+    position 1 favour the draft, so without it p1 would be far off: checked). Fixed seeds:
+    the test is deterministic; each check fails by chance with p < 1e-4."""
     from scipy import stats
 
     rng = np.random.default_rng(4)
     vocab, k, trials, temp = 12, 2, 20000, 0.8
     logits = rng.standard_normal((k + 1, vocab)) * 1.5
+    prompt_mask = np.zeros(vocab, bool)
+    prompt_mask[[1, 4]] = True
+    counts = np.zeros(vocab, np.int64)
+    counts[[2, 4, 7]] = [1, 2, 1]
+    weights = (1.0, 0.6, 1.5)  # presence, frequency, repetition
+    draft0 = None
 
-    def target(row):
-        z = logits[row] / temp
+    def target(row, counted=True):
+        z = logits[row]
+        if cut.get("penalties"):
+            seen = counts + (row > 0 and counted) * (np.arange(vocab) == draft0)
+            z = _penalised(z, prompt_mask, seen, *weights)
+        z = z / temp
         order = np.argsort(-z)
         keep = np.zeros(vocab, bool)
         kk = cut.get("top_k", vocab)
@@ -267,11 +363,19 @@ def test_rejection_sampling_keeps_the_target_distribution(cut):
         p = np.where(keep, probs, 0.0)
         return p / p.sum()
 
-    p0, p1 = target(0), target(1)
+    p0 = target(0)
     draft0 = int(np.argsort(-p0)[1])  # a likely but not the likeliest token
+    penalties = None
+    if cut.get("penalties"):
+        logits[1, draft0] = logits[1].max() + 1.0
+        per_row = (prompt_mask, counts.astype(np.int32), *map(np.float32, weights))
+        penalties = tuple(np.tile(a, (trials,) + (1,) * np.ndim(a)) for a in per_row)
+        assert np.abs(target(1) - target(1, counted=False)).sum() > 0.5
+    p1 = target(1)
     drafts = np.tile([draft0, int(np.argmax(p1))], (trials, 1))
+    filters = {key: v for key, v in cut.items() if key != "penalties"}
     out, accepted = _verify_rows(np.tile(logits, (trials, 1)), drafts, temp,
-                                 np.arange(trials), **cut)  # fmt: skip
+                                 np.arange(trials), penalties, **filters)  # fmt: skip
     tokens = np.asarray(out.tokens).reshape(trials, k + 1)
     accepted = np.asarray(accepted)
     assert np.all((accepted >= 1) == (tokens[:, 0] == draft0))
@@ -335,11 +439,79 @@ def test_greedy_output_is_identical_with_and_without_ngram_speculation(demo_pair
 
 
 def test_seeded_sampling_reproduces_with_speculation(demo_pair):
+    """Two runs that both hit the prefix cache give the same tokens (a run that fed the
+    whole prompt drafts from more history, so its tokens may differ: docs/speculative.md)."""
     _, spec = demo_pair
     params = SamplingParams(max_tokens=30, temperature=0.7, top_p=0.95, seed=1234)
+    spec.generate([CODE], SamplingParams(max_tokens=1), use_tqdm=False)  # CODE is cached
     first = spec.generate([CODE], params, use_tqdm=False)
     again = spec.generate([CODE], params, use_tqdm=False)
     assert _tokens(first) == _tokens(again)
+
+
+PENALTIES = {
+    "presence": dict(presence_penalty=2.0),
+    "frequency": dict(frequency_penalty=0.5),
+    "repetition": dict(repetition_penalty=1.3),
+    "combined": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+}
+# "a" and "b" (byte-level ids) far above every other token: which of the two comes next is
+# the penalties' call at every step, and the output repeats itself, so drafts are accepted.
+AB_BIAS = {97: 30.0, 98: 30.0}
+
+
+def _unpaused(llm):
+    """Forget the acceptance pause earlier tests left (`Scheduler.verified`): the steps that
+    follow verify."""
+    scheduler = llm.engine.scheduler
+    scheduler._spec_misses = scheduler._spec_pause = scheduler._spec_backoff = 0
+
+
+@pytest.mark.parametrize("penalty", list(PENALTIES))
+def test_greedy_output_with_penalties_is_unchanged_by_speculation(demo_pair, penalty):
+    """Each verify position is penalised with the drafts before it counted as outputs, and
+    the step counts only what it kept: the output is the plain decode's token for token, on
+    the repeating code prompt, and with "a" and "b" biased above the rest (the penalties pick
+    between them). Drafts are accepted in each (checked, so the verify path runs), and the
+    penalties change the output of at least one (checked, so they are applied). The combined
+    case also forks (n = 2: the samples' counts are copied) and batches a row without
+    penalties beside them."""
+    base, spec = demo_pair
+    combined = penalty == "combined"
+    greedy = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    penalised = SamplingParams(n=1 + combined, **greedy, **PENALTIES[penalty])
+    biased = SamplingParams(logit_bias=AB_BIAS, **greedy, **PENALTIES[penalty])
+    runs = [([CODE], [penalised]), ([CODE], [biased])]
+    if combined:
+        runs[0] = ([CODE, CODE[:90]], [penalised, SamplingParams(max_tokens=20, temperature=0)])
+    changed = []
+    for prompts, params in runs:
+        _unpaused(spec)
+        want = base.generate(prompts, params, use_tqdm=False)
+        before = spec.stats()["spec_accepted_tokens"]
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert _tokens(got) == _tokens(want)
+        assert spec.stats()["spec_accepted_tokens"] > before
+        off = dataclasses.replace(params[0], presence_penalty=0.0, frequency_penalty=0.0,
+                                  repetition_penalty=1.0)  # fmt: skip
+        changed.append(_tokens(base.generate(prompts[:1], off, use_tqdm=False))[0] !=
+                       _tokens(want)[0])  # fmt: skip
+    assert any(changed)
+
+
+def test_seeded_sampling_with_penalties_reproduces_with_speculation(demo_pair):
+    """A seeded request with penalties gives the same tokens twice (its repetition penalty
+    keeps it off the prefix cache, so both runs draft from the same history)."""
+    _, spec = demo_pair
+    params = SamplingParams(max_tokens=30, temperature=0.7, top_p=0.95, seed=99,
+                            **PENALTIES["combined"])  # fmt: skip
+    _unpaused(spec)
+    before = spec.stats()["spec_verify_steps"]
+    first = spec.generate([CODE], params, use_tqdm=False)
+    _unpaused(spec)
+    again = spec.generate([CODE], params, use_tqdm=False)
+    assert _tokens(first) == _tokens(again)
+    assert spec.stats()["spec_verify_steps"] > before
 
 
 def test_verify_steps_that_keep_no_draft_pause_speculation_with_a_growing_pause():
@@ -382,7 +554,7 @@ def test_verify_steps_that_keep_no_draft_pause_speculation_with_a_growing_pause(
     assert all(run(50, accepted=1))  # speculating on every step again
 
 
-def test_penalties_and_batches_past_disable_by_batch_size_do_not_verify():
+def test_batches_past_disable_by_batch_size_do_not_verify_and_penalties_do():
     llm = LLM(DEMO, speculative_config={**NGRAM, "disable_by_batch_size": 1}, **ENGINE)
     scheduler, steps = llm.engine.scheduler, []
     schedule = scheduler.schedule
@@ -395,8 +567,6 @@ def test_penalties_and_batches_past_disable_by_batch_size_do_not_verify():
     assert all(s.num_spec == 0 for s in decode if len(s.rows) > 1)  # ...without verifying
     verifies = llm.stats()["spec_verify_steps"]
     llm.generate([CODE], SamplingParams(max_tokens=8, presence_penalty=0.5), use_tqdm=False)
-    assert llm.stats()["spec_verify_steps"] == verifies
-    llm.generate([CODE], greedy, use_tqdm=False)
     assert llm.stats()["spec_verify_steps"] > verifies
 
 

@@ -74,8 +74,10 @@ class SpeculativeConfig:
 
     `method` "ngram" (prompt lookup): the draft is what followed the latest earlier occurrence
     of the row's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
-    "draft_model" (`model`: a smaller checkpoint sharing the tokenizer) and "mtp" (the
-    checkpoint's multi-token-prediction layers) are named but not implemented yet: refused.
+    "draft_model" (`model`: a smaller checkpoint or preset sharing the target's tokenizer and
+    vocabulary): the draft model's greedy continuation, run inside the verify step with its own
+    per-slot state. "mtp" (the checkpoint's multi-token-prediction layers) is named but not
+    implemented yet: refused.
     `disable_by_batch_size`: a step with more decode rows than this does not speculate."""
 
     method: str = "ngram"
@@ -114,10 +116,10 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError(f"{where}.model is required for method 'draft_model' (a smaller "
                              "checkpoint sharing the target's tokenizer)")  # fmt: skip
-        if self.method in ("draft_model", "mtp"):
+        if self.method == "mtp":
             raise ValueError(
-                f"{where}.method={self.method!r} is not implemented yet: only 'ngram' (prompt "
-                "lookup) runs (docs/speculative.md)"
+                f"{where}.method={self.method!r} is not implemented yet: 'ngram' (prompt "
+                "lookup) and 'draft_model' run (docs/speculative.md)"
             )
 
     @classmethod

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import StateCache, cache_shapes, init_cache
+from jaxmamba.model.draft import DraftSpec
 from jaxmamba.model.metadata import PackedStepInputs
 from jaxmamba.model.sampling import needs_cutoff
 from jaxmamba.model.speculative import NgramSpec
@@ -286,9 +287,9 @@ class StepRunner:
     # returns the inputs to run: the several-host leader sends them to its followers
     # (`jaxmamba.parallel.multihost`). None: nothing is sent.
     send_step: Callable | None = None
-    # Speculative decoding: the n-gram drafting its verify steps run (None: it has no verify
-    # programs, and its slot state keeps no lengths or token history).
-    speculative: NgramSpec | None = None
+    # Speculative decoding: the n-gram or draft-model drafting its verify steps run (None: it
+    # has no verify programs, and its slot state keeps no lengths or token history).
+    speculative: NgramSpec | DraftSpec | None = None
 
     def __init__(self):
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
@@ -489,7 +490,8 @@ class ModelRunner(StepRunner):
         tensor_parallel_size: int = 1,
         mesh=None,
         allocate: bool = True,
-        speculative: NgramSpec | None = None,
+        speculative: NgramSpec | DraftSpec | None = None,
+        draft_params=None,
     ):
         """`tensor_parallel_size > 1`: the model runs sharded over a mesh of that many
         devices (`mesh`, default the first devices; jaxmamba.parallel); `params` are the
@@ -497,14 +499,21 @@ class ModelRunner(StepRunner):
         shapes (`jax.ShapeDtypeStruct`s), so the runner compiles its programs
         (`compile_programs`, for their memory) before the cache takes memory; it runs after
         `reset_state`. `speculative`: the runner runs verify steps with this n-gram drafting
-        (one device only), and its slot state keeps each slot's length and token history."""
+        (one device only), and its slot state keeps each slot's length and token history; a
+        `DraftSpec` drafts with its model, whose weights are `draft_params` and whose states
+        the slot state keeps too (`jaxmamba.model.draft`)."""
         from jaxmamba.model.model import Mamba2HybridLM
 
         super().__init__()
         if speculative is not None and (tensor_parallel_size > 1 or mesh is not None):
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "implemented yet: serve the model on one device")  # fmt: skip
+        if isinstance(speculative, DraftSpec) != (draft_params is not None):
+            raise ValueError("a draft model's DraftSpec and its draft_params come together, got "
+                             f"{type(speculative).__name__} and draft_params="
+                             f"{'None' if draft_params is None else 'given'}")  # fmt: skip
         self.speculative = speculative
+        self.draft_params = draft_params
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.dtype = jnp.dtype(dtype)
@@ -573,8 +582,8 @@ class ModelRunner(StepRunner):
 
     def _step_fn(self, params, cache, slot_state, inputs, *, num_decode, sampler=FULL):
         """The step body, unjitted (for jaxpr inspection)."""
-        return step_fn(params, cache, slot_state, inputs, num_decode=num_decode, sampler=sampler,
-                       **self._step_static)  # fmt: skip
+        return step_fn(params, cache, slot_state, inputs, self.draft_params,
+                       num_decode=num_decode, sampler=sampler, **self._step_static)  # fmt: skip
 
     def forward_logits(self, inputs: StepInputs, num_decode: int) -> jax.Array:
         """Like `step`, but returns float32 logits for every token `[T, V]` (scoring, tests)."""
@@ -587,10 +596,12 @@ class ModelRunner(StepRunner):
 
     def _run_step(self, inputs: PackedStepInputs, bucket: tuple[int, int, int], sampler: str):
         kwargs = {} if sampler == FULL else {"sampler": sampler}
+        args = (self.params, self.cache, self.slot_state, self._put_inputs(inputs))
+        if self.draft_params is not None:
+            args += (self.draft_params,)
         packed, self.cache, self.slot_state = self._jit_step(
-            self.params, self.cache, self.slot_state, self._put_inputs(inputs),
-            num_decode=bucket[2], **kwargs, **self._step_static,
-        )  # fmt: skip
+            *args, num_decode=bucket[2], **kwargs, **self._step_static
+        )
         return packed
 
     def _run_fork(self, forks: tuple) -> None:
@@ -610,7 +621,10 @@ class ModelRunner(StepRunner):
             kwargs["sampler"] = sampler
         if isinstance(inputs, StepInputs):
             inputs = PackedStepInputs.pack(inputs)
-        return (self.params, self.cache, self.slot_state, inputs), kwargs
+        args = (self.params, self.cache, self.slot_state, inputs)
+        if self.draft_params is not None:
+            args += (self.draft_params,)
+        return args, kwargs
 
     def _compile(self, program: tuple, inputs: StepInputs):
         bucket, sampler = program
@@ -638,14 +652,15 @@ def step_temporary_bytes(
     impl: str = "auto",
     small_m_impl: str | None = None,
     tensor_parallel_size: int = 1,
-    speculative: NgramSpec | None = None,
+    speculative: NgramSpec | DraftSpec | None = None,
+    draft_params=None,
 ) -> int:
     """Device bytes one step of this bucket needs beyond its arguments: XLA's memory analysis
     of the compiled FULL program, as a `ModelRunner` compiles it (temporaries, and outputs
     that do not alias a donated input; host inputs get the token bitmask where it takes one,
     `takes_bitmask`). Only shapes are used: nothing is allocated or run. Sharded
-    (`tensor_parallel_size > 1`): one device's. `speculative`: the step of a runner that
-    speculates (a verify bucket's too)."""
+    (`tensor_parallel_size > 1`): one device's. `speculative` (and a draft model's
+    `draft_params`): the step of a runner that speculates (a verify bucket's too)."""
     if isinstance(inputs, StepInputs):  # as `step` passes them: the same program
         if structured_outputs_enabled() and takes_bitmask(step_bucket(inputs, num_decode), FULL):
             inputs = all_allowed_bitmask(inputs, cfg.vocab_size)
@@ -664,6 +679,8 @@ def step_temporary_bytes(
     model = Mamba2HybridLM(cfg, dtype, impl, small_m_impl)
     shapes = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype, speculative))
     args = (params, cache_shapes(cfg, spec, dtype), shapes, inputs)
+    if draft_params is not None:
+        args += (draft_params,)
     extra = {} if speculative is None else {"speculative": speculative}
     compiled = jitted_step.lower(*args, num_decode=num_decode, model=model, spec=spec,
                                  **extra).compile()  # fmt: skip

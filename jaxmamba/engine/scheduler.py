@@ -27,14 +27,14 @@ Structured outputs: a request whose grammar is still compiling waits in the queu
 `WAITING_FOR_FSM`); a row that samples carries its request's matcher (`RowSpec.matcher`), from
 which the step builder writes the row's token bitmask.
 
-Speculative decoding (`EngineConfig.speculative_config`, docs/speculative.md): a step of
-decode rows only, each of whose requests may speculate (no penalties, no grammar), at most
-`disable_by_batch_size` of them, is a *verify* step: each row carries 1 + k tokens, drafted,
-verified and accepted on the device. The host learns how many a row kept only when it reads
-the step, after it has scheduled the next: `num_computed` and `num_scheduled_outputs` count one
-token per step until then (a lower bound; `Scheduler.accepted` adds the rest), and the device
-keeps the true lengths (`lens_from_device`). Decode rows take no checkpoints then (their length
-is not known when the step is built); prompt checkpoints are as without speculation.
+Speculative decoding (`EngineConfig.speculative_config`, docs/speculative.md): a step of decode
+rows only, none of whose requests has a grammar, at most `disable_by_batch_size` of them, is a
+*verify* step: each row carries 1 + k tokens, drafted, verified and accepted on the device. The
+host learns how many a row kept only when it reads the step, after it has scheduled the next:
+`num_computed` and `num_scheduled_outputs` count one token per step until then (a lower bound;
+`Scheduler.accepted` adds the rest), and the device keeps the true lengths
+(`lens_from_device`). Decode rows take no checkpoints then (their length is not known when the
+step is built); prompt checkpoints are as without speculation.
 
 `transaction()` wraps scheduling a step and dispatching it: every change made inside (queues,
 request counters, slots, pages, prefix-cache references and evictions) is undone if it raises.
@@ -192,19 +192,16 @@ class Scheduler:
 
     def speculates(self, rows: list[ScheduledRow]) -> bool:
         """Whether a step of these decode rows (and no prefill) verifies drafts: speculation is
-        on, there are at most `disable_by_batch_size` rows, and every request may speculate:
-        no penalties (the verify sampler has none), no grammar (its bitmask needs each token)."""
+        on, there are at most `disable_by_batch_size` rows, and no request has a grammar (its
+        bitmask needs each token before it). Penalties verify: each position counts the drafts
+        before it as outputs (`speculative.position_penalties`)."""
         spec = self.speculative
         if spec is None or not rows:
             return False
         if spec.disable_by_batch_size is not None and len(rows) > spec.disable_by_batch_size:
             return False
-        for row in rows:
-            p = row.request.params
-            penalised = (p.presence_penalty != 0 or p.frequency_penalty != 0
-                         or p.repetition_penalty != 1)  # fmt: skip
-            if penalised or row.request.matcher is not None:
-                return False
+        if any(row.request.matcher is not None for row in rows):
+            return False
         if self._spec_pause > 0:
             self._spec_pause -= 1
             self.spec_paused_steps += 1

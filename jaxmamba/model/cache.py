@@ -78,6 +78,19 @@ def cache_bytes(cfg: ModelConfig, spec: CacheSpec, dtype) -> int:
     return sum(s.size * jnp.dtype(s.dtype).itemsize for s in leaves)
 
 
+def copy_entries(cache: StateCache, src_slots: jax.Array, dst_slots: jax.Array,
+                 src_pages: jax.Array, dst_pages: jax.Array) -> StateCache:  # fmt: skip
+    """`cache` with each source slot's states copied to its destination slot and each source
+    KV page to its destination page (n > 1 forks; unused entries: pad onto pad)."""
+    copy = lambda pool, src, dst: pool.at[dst].set(pool[src])  # noqa: E731
+    return StateCache(
+        tuple(copy(c, src_slots, dst_slots) for c in cache.conv),
+        tuple(copy(c, src_slots, dst_slots) for c in cache.ssm),
+        tuple(copy(k, src_pages, dst_pages) for k in cache.k_pages),
+        tuple(copy(v, src_pages, dst_pages) for v in cache.v_pages),
+    )
+
+
 def slots_after(x: jax.Array, slots: jax.Array) -> jax.Array:
     """`slots`, unchanged, made to depend on `x` (a layer's input): XLA then gathers a pool's
     rows by them inside that layer. A gather that reads only the step's inputs may otherwise

@@ -7,8 +7,9 @@ here:
 
 * **Drafts** (`propose_ngram`): prompt lookup over the row's own token history, which the
   device keeps per slot (`SpecState.history`, a ring of the last `NgramSpec.window` tokens the
-  slot's steps fed). The host cannot draft: when it builds step n+1 it has not read step n,
-  so it knows neither the row's last token nor how many drafts step n accepted.
+  slot's steps fed), or a draft model's greedy continuation (`jaxmamba.model.draft`, its
+  state in `SpecState.draft`). The host cannot draft: when it builds step n+1 it has not read
+  step n, so it knows neither the row's last token nor how many drafts step n accepted.
 * **Lengths** (`SpecState.seq_lens`): a row's length advances by its accepted count, which
   only the device knows; decode rows of a speculating engine read it from here
   (`lens_from_device`).
@@ -28,6 +29,10 @@ here:
   onehot(d), 0))``), which leaves every emitted token distributed as ``p`` (Leviathan et al.
   2023). The token after the accepted drafts (the bonus) is drawn from the target at that
   position.
+* **Penalties** (`position_penalties`, `record_kept`): position j of a row is scored as the
+  plain decode would score it once the drafts before it were output, so its presence,
+  frequency and repetition penalties see the row's output counts plus ``d_0..d_{j-1}``; the
+  step then counts only the tokens it kept.
 
 Attention needs nothing: the KV written for rejected positions lies past the row's length and
 is overwritten by the next step's tokens.
@@ -35,7 +40,7 @@ is overwritten by the next step's tokens.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +49,18 @@ from jax import lax
 from jaxmamba.kernels.common import process_dt
 from jaxmamba.kernels.gdn import gdn_gating
 from jaxmamba.kernels.gdn.ref import _value_heads_qk
-from jaxmamba.model.sampling import SampleOutput, filter_cutoff, process_logits, sample_output
+from jaxmamba.model.sampling import (
+    Penalties,
+    PenaltyState,
+    SampleOutput,
+    apply_penalties,
+    filter_cutoff,
+    process_logits,
+    sample_output,
+)
+
+if TYPE_CHECKING:
+    from jaxmamba.model.cache import StateCache
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -70,6 +86,9 @@ class SpecState(NamedTuple):
 
     seq_lens: jax.Array  # i32[S+1] tokens in the slot's cache (the next input's position)
     history: jax.Array  # i32[S+1, W] the token at position p at column p % W (-1: none yet)
+    # The draft model's states and KV pages on the target's slots and pages (method
+    # "draft_model", `jaxmamba.model.draft`); None for n-gram drafting.
+    draft: StateCache | None = None
 
 
 def init_spec_state(num_slots: int, ngram: NgramSpec) -> SpecState:
@@ -266,6 +285,20 @@ def commit_conv(
     return conv_pool.at[slots].set(window.astype(conv_pool.dtype))
 
 
+def commit_pending(
+    cache: StateCache,
+    pending: tuple[RecurrentPending | None, ...],  # per recurrent layer (a verify forward's)
+    slots: jax.Array,  # i32[B]
+    accepted: jax.Array,  # i32[B] positions kept, 1..J
+) -> StateCache:
+    """Every recurrent layer's conv window and state after each row's kept positions."""
+    conv, ssm = list(cache.conv), list(cache.ssm)
+    for m, p in enumerate(pending):
+        conv[m] = commit_conv(conv[m], p, slots, accepted)
+        ssm[m] = commit_state(ssm[m], p, slots, accepted)
+    return cache._replace(conv=tuple(conv), ssm=tuple(ssm))
+
+
 # -- acceptance --------------------------------------------------------------------------------
 
 
@@ -283,6 +316,7 @@ def verify_sample(
     stop_ids: jax.Array,  # i32[B, SI]
     bias_ids: jax.Array,  # i32[B, LB]
     bias_values: jax.Array,  # f32[B, LB]
+    penalties: Penalties | None = None,  # per row; its counts include the row's last token
     *,
     cutoff: bool = True,
     top_logprobs: bool = True,
@@ -292,11 +326,13 @@ def verify_sample(
     """Accept each row's drafts against the target and pick its token at every position.
 
     Position j of a row samples the row's output number ``counters + j`` from the target's
-    processed logits there (logit bias, min_tokens; no penalties: rows with penalties do not
-    speculate), with that token's own random key. Returns the tokens, their raw logprobs and
-    ranks and the top logprobs, ``[B*J]`` rows, and ``accepted [B]``: how many leading drafts
-    were accepted (the row emits positions ``0..accepted``, the last a target sample). The
-    static switches are `sampling.sample`'s."""
+    processed logits there (logit bias, min_tokens, then the penalties with the drafts before
+    j counted as outputs: `position_penalties`), with that token's own random key. Returns
+    the tokens, their raw logprobs and ranks and the top logprobs, ``[B*J]`` rows, and
+    ``accepted [B]``: how many leading drafts were accepted (the row emits positions
+    ``0..accepted``, the last a target sample). `penalties` (None: no row has any) holds
+    each row's prompt mask and output counts as its plain decode step would see them, its
+    last sampled token counted. The static switches are `sampling.sample`'s."""
     rows, k = drafts.shape
     num = k + 1
     vocab = logits.shape[-1]
@@ -306,6 +342,8 @@ def verify_sample(
     log_norm = jax.nn.logsumexp(raw, axis=-1)
     processed = process_logits(raw, counter, rep(min_tokens), rep(stop_ids), rep(bias_ids),
                                rep(bias_values))  # fmt: skip
+    if penalties is not None:
+        processed = apply_penalties(processed, position_penalties(penalties, drafts))
     draft = jnp.concatenate([drafts, jnp.zeros((rows, 1), jnp.int32)], axis=1).reshape(-1)
     valid = jnp.concatenate(
         [jnp.repeat(proposed[:, None], k, axis=1), jnp.zeros((rows, 1), bool)], axis=1
@@ -344,6 +382,46 @@ def verify_sample(
     return out, accepted
 
 
+def position_penalties(
+    penalties: Penalties,  # per row [B, V]: its counts include the row's last sampled token
+    drafts: jax.Array,  # i32[B, k]
+) -> Penalties:
+    """The penalties of each of a row's ``J = 1 + k`` positions, ``[B*J, V]`` row-major: at
+    position j the output counts the plain decode would have there if the row had output
+    ``d_0..d_{j-1}`` (the row's counts plus those drafts; only an accepted prefix of drafts
+    is ever emitted, so position j is used only when all of them were). The prompt mask and
+    the parameters are the row's. The row's counts are broadcast, not copied, and the drafts
+    are added as k comparisons with the vocabulary index: all elementwise, so XLA fuses them
+    into the penalties' own pass over the logits instead of writing ``[B, J, V]`` counts."""
+    rows, k = drafts.shape
+    num, vocab = k + 1, penalties.output_counts.shape[-1]
+    token = jnp.arange(vocab, dtype=jnp.int32)[None, None, :]
+    position = jnp.arange(num, dtype=jnp.int32)[None, :, None]
+    counts = jnp.broadcast_to(penalties.output_counts[:, None, :], (rows, num, vocab))
+    for i in range(k):  # draft i counts at the positions after it
+        counts = counts + ((position > i) & (drafts[:, i, None, None] == token)).astype(jnp.int32)
+    prompt = jnp.broadcast_to(penalties.prompt_mask[:, None, :], (rows, num, vocab))
+    rep = lambda a: jnp.repeat(a, num, axis=0)  # noqa: E731 - per row -> per position
+    return Penalties(prompt.reshape(-1, vocab), counts.reshape(-1, vocab),
+                     rep(penalties.presence), rep(penalties.frequency),
+                     rep(penalties.repetition))  # fmt: skip
+
+
+def record_kept(
+    state: PenaltyState,
+    slots: jax.Array,  # i32[B]
+    fed: jax.Array,  # i32[B, J] the step's tokens: each row's last sampled token, its drafts
+    accepted: jax.Array,  # i32[B] drafts kept
+) -> PenaltyState:
+    """Count a verify step's kept inputs as outputs: each row's last sampled token and its
+    accepted drafts (`sampling.record_tokens` counts a plain decode row's input alike). The
+    step's last emitted token (the bonus) is the row's next input, counted by the step that
+    feeds it; a rejected position adds nothing."""
+    kept = jnp.arange(fed.shape[1])[None, :] <= accepted[:, None]
+    counts = state.output_counts.at[slots[:, None], fed].add(kept.astype(jnp.int32))
+    return state._replace(output_counts=counts)
+
+
 def record_history(
     state: SpecState,
     token_slots: jax.Array,  # i32[T] each token's row's slot (padding: the pad slot)
@@ -355,4 +433,4 @@ def record_history(
     """A step's fed tokens into their slots' histories, and the rows' new lengths."""
     window = state.history.shape[1]
     history = state.history.at[token_slots, positions % window].set(tokens)
-    return SpecState(state.seq_lens.at[row_slots].set(new_lens), history)
+    return state._replace(seq_lens=state.seq_lens.at[row_slots].set(new_lens), history=history)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.model.cache import StateCache
+from jaxmamba.model.cache import StateCache, copy_entries
+from jaxmamba.model.draft import DraftSpec, advance_draft, init_draft_cache, propose_draft
 from jaxmamba.model.metadata import ForwardMetadata, PackedStepInputs
 from jaxmamba.model.sampling import (
     Penalties,
@@ -28,11 +29,11 @@ from jaxmamba.model.sampling import (
 from jaxmamba.model.speculative import (
     NgramSpec,
     SpecState,
-    commit_conv,
-    commit_state,
+    commit_pending,
     init_spec_state,
     propose_ngram,
     record_history,
+    record_kept,
     verify_sample,
 )
 from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
@@ -57,13 +58,18 @@ class SlotState(NamedTuple):
 
 
 def init_slot_state(cfg: ModelConfig, spec: CacheSpec, dtype,
-                    speculative: NgramSpec | None = None) -> SlotState:  # fmt: skip
+                    speculative: NgramSpec | DraftSpec | None = None) -> SlotState:  # fmt: skip
     """A runner's first `SlotState` (under `jax.eval_shape`: its shapes)."""
+    spec_state = None
+    if speculative is not None:
+        spec_state = init_spec_state(spec.num_slots, speculative)
+        if isinstance(speculative, DraftSpec):
+            spec_state = spec_state._replace(draft=init_draft_cache(speculative, spec))
     return SlotState(
         jnp.zeros(spec.num_slots + 1, jnp.int32),
         init_penalty_state(spec.num_slots, cfg.vocab_size),
         jnp.zeros((MAX_PROMPT_LOGPROB_TOKENS, cfg.hidden_size), dtype),
-        None if speculative is None else init_spec_state(spec.num_slots, speculative),
+        spec_state,
     )
 
 
@@ -132,8 +138,9 @@ TRACE_COUNTS: Counter = Counter()
 FULL, PLAIN, GREEDY = "full", "plain", "greedy"
 
 
-def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model, spec,
-            num_decode, sampler: str = FULL, speculative: NgramSpec | None = None):  # fmt: skip
+def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs,
+            draft_params=None, *, model, spec, num_decode, sampler: str = FULL,
+            speculative: NgramSpec | DraftSpec | None = None):  # fmt: skip
     """One engine step: forward, sample at each row's last token, remember the samples.
 
     The packed output has a row per step row. A bucket with prefill rows also keeps the
@@ -145,7 +152,8 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     `speculative` (a runner that speculates; its slot state has `spec`): a step whose rows
     carry ``1 + k`` tokens is a verify step (`verify_step`); every step whose inputs have
     `lens_from_device` reads those rows' lengths from the device and records every row's
-    length and fed tokens."""
+    length and fed tokens. A `DraftSpec` runner's draft model (`draft_params`) consumes every
+    step's tokens as the target does (`draft.advance_draft`)."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
     if isinstance(inputs, PackedStepInputs):
         inputs = inputs.unpack()
@@ -154,8 +162,8 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
         if speculative is None or num_spec != speculative.num_tokens:
             raise ValueError(f"a verify step of {num_spec} drafts a row, but the runner "
                              f"speculates {speculative}")  # fmt: skip
-        return verify_step(params, cache, slot_state, inputs, model=model, spec=spec,
-                           sampler=sampler, speculative=speculative)  # fmt: skip
+        return verify_step(params, cache, slot_state, inputs, draft_params, model=model,
+                           spec=spec, sampler=sampler, speculative=speculative)  # fmt: skip
     recording = inputs.lens_from_device is not None and slot_state.spec is not None
     if recording:
         inputs = _with_device_lens(inputs, slot_state.spec)
@@ -195,6 +203,10 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     )  # fmt: skip
     last_tokens = slot_state.last_tokens.at[slots].set(out.tokens)
     spec_state = slot_state.spec
+    if isinstance(speculative, DraftSpec):
+        draft = advance_draft(speculative, draft_params, spec_state.draft, input_ids, meta,
+                              inputs, num_decode)  # fmt: skip
+        spec_state = spec_state._replace(draft=draft)
     if recording:
         qsl = inputs.query_start_loc
         if num_rows > num_decode:  # a request's first step: forget its slot's last occupant
@@ -211,12 +223,15 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     return pack_sample_output(out), cache, SlotState(last_tokens, seen, prompt_hidden, spec_state)
 
 
-def verify_step(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs, *, model,
-                spec, sampler: str, speculative: NgramSpec):  # fmt: skip
+def verify_step(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs,
+                draft_params=None, *, model, spec, sampler: str,
+                speculative: NgramSpec | DraftSpec):  # fmt: skip
     """A verify step (speculative decoding, `jaxmamba.model.speculative`): every row feeds its
     last sampled token and k drafts proposed here from its slot's history, the target scores
     the ``J = 1 + k`` positions, the accepted prefix is chosen, and the row's recurrent state
-    is written after it; the row's length, history and last token advance by what it kept.
+    is written after it; the row's length, history, output counts and last token advance by
+    what it kept. A `DraftSpec` runner's drafts are its draft model's (`draft.propose_draft`),
+    whose state is written after the same kept positions.
 
     Returns ``i32[B, 2 + J·(3 + 2·MAX_LOGPROBS)]``: per row the drafts accepted, whether it
     proposed any (1/0), then each position's packed sample (`pack_sample_output`); the row
@@ -226,36 +241,47 @@ def verify_step(params, cache: StateCache, slot_state: SlotState, inputs: StepIn
     slots, lens = inputs.state_slots, inputs.prefix_lens
     rows, k = slots.shape[0], speculative.num_tokens
     last = slot_state.last_tokens[slots]
-    drafts, proposed = propose_ngram(state.history, lens, last, slots, speculative)
-    input_ids = jnp.concatenate([last[:, None], drafts], axis=1).reshape(-1)  # [B*J]
     meta = build_metadata(model, spec, inputs, rows, num_spec=k)
+    if isinstance(speculative, DraftSpec):
+        drafts, draft_pending, draft_cache = propose_draft(speculative, draft_params, state.draft,
+                                                           last, meta)  # fmt: skip
+        proposed = jnp.ones(rows, bool)
+    else:
+        drafts, proposed = propose_ngram(state.history, lens, last, slots, speculative)
+    input_ids = jnp.concatenate([last[:, None], drafts], axis=1).reshape(-1)  # [B*J]
     hidden, cache, pending = model.apply({"params": params}, input_ids, cache, meta)
     logits = model.apply({"params": params}, hidden, method="logits")  # [B*J, V]
+    seen = slot_state.penalties
+    penalties = None
+    if sampler != GREEDY:  # the [B, V] gathers: GREEDY steps have no penalised row
+        # Position 0 sees the counts with the row's last token, which its plain decode step
+        # would have counted as it fed it (`record_tokens`); `verify_sample` adds the drafts.
+        counts = seen.output_counts[slots].at[jnp.arange(rows), last].add(1)
+        penalties = Penalties(seen.prompt_mask[slots], counts, inputs.presence_penalty,
+                              inputs.frequency_penalty, inputs.repetition_penalty)  # fmt: skip
     out, accepted = verify_sample(
         logits, drafts, proposed, inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds,
         inputs.sample_counters, inputs.min_p, inputs.min_tokens, inputs.stop_ids,
-        inputs.logit_bias_ids, inputs.logit_bias_values,
+        inputs.logit_bias_ids, inputs.logit_bias_values, penalties,
         cutoff=sampler == FULL, top_logprobs=sampler == FULL, draw=sampler != GREEDY,
         ranks=sampler != GREEDY,
     )  # fmt: skip
     kept = accepted + 1
-    conv, ssm = list(cache.conv), list(cache.ssm)
-    for m, p in enumerate(pending):
-        conv[m] = commit_conv(conv[m], p, slots, kept)
-        ssm[m] = commit_state(ssm[m], p, slots, kept)
-    cache = cache._replace(conv=tuple(conv), ssm=tuple(ssm))
+    cache = commit_pending(cache, pending, slots, kept)
+    if isinstance(speculative, DraftSpec):
+        state = state._replace(draft=commit_pending(draft_cache, draft_pending, slots, kept))
     emitted = out.tokens.reshape(rows, k + 1)
     last_tokens = slot_state.last_tokens.at[slots].set(
         jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
     )
     state = record_history(state, jnp.repeat(slots, k + 1), meta.positions, input_ids, slots,
                            lens + kept)  # fmt: skip
+    seen = record_kept(seen, slots, input_ids.reshape(rows, k + 1), accepted)
     packed = jnp.concatenate(
         [accepted[:, None], proposed[:, None].astype(jnp.int32),
          pack_sample_output(out).reshape(rows, -1)], axis=1,
     )  # fmt: skip
-    return packed, cache, SlotState(last_tokens, slot_state.penalties, slot_state.prompt_hidden,
-                                    state)  # fmt: skip
+    return packed, cache, SlotState(last_tokens, seen, slot_state.prompt_hidden, state)
 
 
 def prompt_tokens_to_score(
@@ -287,13 +313,7 @@ def fork_fn(cache: StateCache, src_slots, dst_slots, src_pages, dst_pages, *, mo
     KV page into theirs, after the step that ends the prompt (unused entries: the pad slot
     and page onto themselves). `model` and `spec` only count its compilations."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
-    copy = lambda pool, src, dst: pool.at[dst].set(pool[src])  # noqa: E731
-    return StateCache(
-        tuple(copy(c, src_slots, dst_slots) for c in cache.conv),
-        tuple(copy(c, src_slots, dst_slots) for c in cache.ssm),
-        tuple(copy(k, src_pages, dst_pages) for k in cache.k_pages),
-        tuple(copy(v, src_pages, dst_pages) for v in cache.v_pages),
-    )
+    return copy_entries(cache, src_slots, dst_slots, src_pages, dst_pages)
 
 
 def logits_fn(params, cache: StateCache, inputs: StepInputs, *, model, spec, num_decode):
