@@ -129,7 +129,7 @@ class LLM:
         if params is None:
             params = _load_params_for(model, self.model_cfg, self.dtype, run.seed,
                                       tensor_parallel_size, run.quantization)  # fmt: skip
-        draft = load_draft(self.engine_cfg, self.model_cfg, self.dtype, run)
+        draft = load_draft(self.engine_cfg, self.model_cfg, self.dtype, run, model)
         self.cache_plan = size_cache(self.model_cfg, self.engine_cfg, params, self.dtype, run.impl,
                                      draft=draft)  # fmt: skip
         self.engine_cfg = dataclasses.replace(
@@ -344,6 +344,8 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
         per_slot += state * jnp.dtype(cfg.ssm_dtype).itemsize + conv * itemsize
         per_page += memory.page_bytes(draft.spec.model.cfg, cfg.page_size,
                                       cfg.kv_itemsize(itemsize))  # fmt: skip
+        if cfg.speculative_config.method == "mtp":  # the head's output at the slot's end
+            per_slot += model_cfg.hidden_size * itemsize
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     plan = functools.partial(
         memory.plan_cache,
@@ -583,18 +585,29 @@ def _largest_step_temporaries(model_cfg: ModelConfig, cfg: EngineConfig, params,
 
 class Draft(NamedTuple):
     """A draft model (speculative_config method "draft_model"): the runner's `DraftSpec`
-    (its module, at the target's chunk size) and its weights."""
+    (its module, at the target's chunk size) and its weights; or the target's MTP layer
+    (method "mtp"): its `MtpSpec` and weights."""
 
-    spec: Any  # jaxmamba.model.draft.DraftSpec
+    spec: Any  # jaxmamba.model.draft.DraftSpec | jaxmamba.model.mtp.MtpSpec
     params: Any
 
 
-def load_draft(cfg: EngineConfig, target: ModelConfig, dtype, run: RunConfig) -> Draft | None:
+def load_draft(cfg: EngineConfig, target: ModelConfig, dtype, run: RunConfig,
+               model: str | None = None) -> Draft | None:  # fmt: skip
     """The draft model `cfg.speculative_config.model` names (a preset, YAML file or checkpoint
     directory), its weights loaded as the target's are (dtype, quantization; a preset's
-    random weights from the run's seed); None unless the method is "draft_model". A
-    vocabulary other than the target's is a ValueError naming both sizes."""
+    random weights from the run's seed); None unless the method is "draft_model" or "mtp". A
+    vocabulary other than the target's is a ValueError naming both sizes. Method "mtp": the
+    MTP layer of the target checkpoint `model` (`jaxmamba.model.mtp.load_mtp`); a model
+    without one is a ValueError naming it."""
     sc = cfg.speculative_config
+    if sc is not None and sc.method == "mtp":
+        from jaxmamba.config import checkpoint_dir
+        from jaxmamba.model.mtp import load_mtp
+
+        spec, params = load_mtp(model, checkpoint_dir(model), sc.num_speculative_tokens, target,
+                                dtype, run.impl)  # fmt: skip
+        return Draft(spec, params)
     if sc is None or sc.method != "draft_model":
         return None
     from jaxmamba.model.draft import draft_spec
@@ -609,7 +622,7 @@ def speculative_spec(cfg: EngineConfig, draft: Draft | None = None):
     sc = cfg.speculative_config
     if sc is None:
         return None
-    if sc.method == "draft_model":
+    if sc.method in ("draft_model", "mtp"):
         if draft is None:
             raise ValueError(f"speculative_config.model={sc.model!r}: the draft model is not "
                              "loaded (`load_draft`)")  # fmt: skip

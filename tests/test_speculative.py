@@ -57,7 +57,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
         ({"method": "ngram", "typo": 1}, "typo"),
         ({"method": "ngram", "model": "x"}, "speculative_config.model"),
         ({"method": "draft_model"}, "speculative_config.model"),
-        ({"method": "mtp"}, "not implemented"),
+        ({"method": "mtp", "model": "x"}, "speculative_config.model"),
         ("{not json", "JSON"),
     ],
 )

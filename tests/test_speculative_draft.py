@@ -223,7 +223,7 @@ def test_draft_verify_programs_have_no_host_callback_nor_branch(engines):
     [
         ({"method": "draft_model"}, "speculative_config.model"),
         ({"method": "draft_model", "model": TARGET, "prompt": 1}, "prompt"),
-        ({"method": "mtp"}, "not implemented"),
+        ({"method": "mtp", "model": TARGET}, "method 'mtp' drafts with the target's own"),
     ],
 )
 def test_bad_draft_configs_are_refused_by_name(config, names):

@@ -76,8 +76,8 @@ class SpeculativeConfig:
     of the row's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
     "draft_model" (`model`: a smaller checkpoint or preset sharing the target's tokenizer and
     vocabulary): the draft model's greedy continuation, run inside the verify step with its own
-    per-slot state. "mtp" (the checkpoint's multi-token-prediction layers) is named but not
-    implemented yet: refused.
+    per-slot state. "mtp": the target checkpoint's multi-token-prediction layer, run inside the
+    verify step with its own KV pages (Qwen3-Next; a model without one is refused by name).
     `disable_by_batch_size`: a step with more decode rows than this does not speculate."""
 
     method: str = "ngram"
@@ -116,10 +116,10 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError(f"{where}.model is required for method 'draft_model' (a smaller "
                              "checkpoint sharing the target's tokenizer)")  # fmt: skip
-        if self.method == "mtp":
+        if self.method == "mtp" and self.model is not None:
             raise ValueError(
-                f"{where}.method={self.method!r} is not implemented yet: 'ngram' (prompt "
-                "lookup) and 'draft_model' run (docs/speculative.md)"
+                f"{where}.model is for method 'draft_model'; method 'mtp' drafts with the "
+                f"target's own MTP layers (got model={self.model!r})"
             )
 
     @classmethod

@@ -48,6 +48,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import StateCache, cache_shapes, init_cache
 from jaxmamba.model.draft import DraftSpec
 from jaxmamba.model.metadata import PackedStepInputs
+from jaxmamba.model.mtp import MtpSpec
 from jaxmamba.model.sampling import needs_cutoff
 from jaxmamba.model.speculative import NgramSpec
 from jaxmamba.model.step import (
@@ -289,7 +290,7 @@ class StepRunner:
     send_step: Callable | None = None
     # Speculative decoding: the n-gram or draft-model drafting its verify steps run (None: it
     # has no verify programs, and its slot state keeps no lengths or token history).
-    speculative: NgramSpec | DraftSpec | None = None
+    speculative: NgramSpec | DraftSpec | MtpSpec | None = None
 
     def __init__(self):
         self.variant_steps: Counter = Counter()  # steps dispatched per sampler program
@@ -490,7 +491,7 @@ class ModelRunner(StepRunner):
         tensor_parallel_size: int = 1,
         mesh=None,
         allocate: bool = True,
-        speculative: NgramSpec | DraftSpec | None = None,
+        speculative: NgramSpec | DraftSpec | MtpSpec | None = None,
         draft_params=None,
     ):
         """`tensor_parallel_size > 1`: the model runs sharded over a mesh of that many
@@ -508,8 +509,8 @@ class ModelRunner(StepRunner):
         if speculative is not None and (tensor_parallel_size > 1 or mesh is not None):
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "implemented yet: serve the model on one device")  # fmt: skip
-        if isinstance(speculative, DraftSpec) != (draft_params is not None):
-            raise ValueError("a draft model's DraftSpec and its draft_params come together, got "
+        if isinstance(speculative, DraftSpec | MtpSpec) != (draft_params is not None):
+            raise ValueError("a DraftSpec or MtpSpec and its draft_params come together, got "
                              f"{type(speculative).__name__} and draft_params="
                              f"{'None' if draft_params is None else 'given'}")  # fmt: skip
         self.speculative = speculative
@@ -652,7 +653,7 @@ def step_temporary_bytes(
     impl: str = "auto",
     small_m_impl: str | None = None,
     tensor_parallel_size: int = 1,
-    speculative: NgramSpec | DraftSpec | None = None,
+    speculative: NgramSpec | DraftSpec | MtpSpec | None = None,
     draft_params=None,
 ) -> int:
     """Device bytes one step of this bucket needs beyond its arguments: XLA's memory analysis

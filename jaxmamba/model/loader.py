@@ -476,6 +476,25 @@ def load_hf_checkpoint(
     return params
 
 
+def load_tensors(path: str | os.PathLike, entries: list[Entry], *, dtype: Any = jnp.bfloat16
+                 ) -> Params:  # fmt: skip
+    """The tree of `entries` (full checkpoint names, no base prefix) from checkpoint `path`,
+    quantized ones as `load_hf_checkpoint` keeps them: a module beside the model, such as
+    its MTP layer (`jaxmamba.model.mtp`). A missing tensor or a wrong shape is a ValueError
+    naming it."""
+    path = Path(path)
+    ckpt = _Checkpoint(path)
+    scheme = quant.read_quantization(path)
+    names, dtype = set(ckpt.where), jnp.dtype(dtype)
+    params: Params = {}
+    used: set[str] = set()
+    for e in entries:
+        hf, read = _locate(ckpt, names, "", e, path)
+        for leaf, x in _load_entry(ckpt, hf, read, scheme, dtype, used, path).items():
+            _set(params, (*e.path[:-1], leaf), x)
+    return params
+
+
 def check_params(params: Params, expected: Params) -> None:
     """Raise ValueError unless `params` has the structure, shapes and dtypes of `expected`
     (float params, `param_shapes`): a quantized weight stands for its float leaf, its shape

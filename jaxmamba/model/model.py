@@ -18,7 +18,7 @@ from jaxmamba.kernels.matmul import model_small_m_impl
 from jaxmamba.model.attention import Attention
 from jaxmamba.model.cache import StateCache
 from jaxmamba.model.gdn import GatedDeltaNetMixer
-from jaxmamba.model.layers import MLP, Dtype, RMSNorm, matmul_precision
+from jaxmamba.model.layers import MLP, Dtype, Linear, RMSNorm, matmul_precision
 from jaxmamba.model.mamba2 import Mamba2Mixer
 from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.model.moe import MoE
@@ -221,3 +221,43 @@ class Mamba2HybridLM(nn.Module):
         if self.cfg.logits_multiplier != 1:
             logits = logits * self.cfg.logits_multiplier
         return gather_logits(logits, self.tp)
+
+
+class MtpHead(nn.Module):
+    """A checkpoint's multi-token-prediction layer (`jaxmamba.model.mtp`): the target's
+    embedding of the next token and its hidden state, each RMS-normed, concatenated in that
+    order and projected (`fc`), then one decoder layer and a final norm. `cfg` is
+    `mtp.mtp_config`'s: one attention layer and the target's first feed-forward."""
+
+    cfg: ModelConfig
+    dtype: Dtype = jnp.float32
+    impl: str = "auto"
+    small_m_impl: str | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        embeds: jax.Array,  # [T, E] the target's embeddings of each position's next token
+        hidden: jax.Array,  # [T, E] the target's (or the head's own) hidden state there
+        cache: StateCache,
+        meta: ForwardMetadata,
+    ) -> tuple[jax.Array, StateCache]:
+        cfg = self.cfg
+        small_m = model_small_m_impl(self.impl, self.small_m_impl)
+        if meta.attention_blocks is None:
+            meta = meta.with_attention_blocks(
+                cfg.num_attention_heads, cfg.num_key_value_heads, self.impl
+            )
+        e = RMSNorm(cfg.norm_eps, self.dtype, name="pre_fc_norm_embedding")(embeds)
+        h = RMSNorm(cfg.norm_eps, self.dtype, name="pre_fc_norm_hidden")(hidden)
+        x = Linear(cfg.hidden_size, (None, "embed"), False, self.dtype, small_m,
+                   name="fc")(jnp.concatenate([e, h], axis=-1))  # fmt: skip
+        x = x.astype(jnp.float32)
+        attention, ffn = cfg.layer_types
+        kv = (cache.k_pages[0], cache.v_pages[0])
+        x, (k, v) = Block(cfg, attention, self.dtype, self.impl, small_m, name="layers_0")(
+            x, kv, meta
+        )
+        x, _ = Block(cfg, ffn, self.dtype, self.impl, small_m, name="layers_1")(x, (), meta)
+        out = RMSNorm(cfg.norm_eps, self.dtype, name="norm")(x)
+        return out, cache._replace(k_pages=(k,), v_pages=(v,))

@@ -87,8 +87,11 @@ class SpecState(NamedTuple):
     seq_lens: jax.Array  # i32[S+1] tokens in the slot's cache (the next input's position)
     history: jax.Array  # i32[S+1, W] the token at position p at column p % W (-1: none yet)
     # The draft model's states and KV pages on the target's slots and pages (method
-    # "draft_model", `jaxmamba.model.draft`); None for n-gram drafting.
+    # "draft_model", `jaxmamba.model.draft`), or the MTP head's KV pages (method "mtp",
+    # `jaxmamba.model.mtp`); None for n-gram drafting.
     draft: StateCache | None = None
+    # [S+1, E] method "mtp": the head's output at each slot's last position (its next draft)
+    mtp_hidden: jax.Array | None = None
 
 
 def init_spec_state(num_slots: int, ngram: NgramSpec) -> SpecState:

@@ -17,6 +17,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import StateCache, copy_entries
 from jaxmamba.model.draft import DraftSpec, advance_draft, init_draft_cache, propose_draft
 from jaxmamba.model.metadata import ForwardMetadata, PackedStepInputs
+from jaxmamba.model.mtp import MtpSpec, advance_mtp, init_mtp_state, next_tokens, propose_mtp
 from jaxmamba.model.sampling import (
     Penalties,
     PenaltyState,
@@ -58,13 +59,17 @@ class SlotState(NamedTuple):
 
 
 def init_slot_state(cfg: ModelConfig, spec: CacheSpec, dtype,
-                    speculative: NgramSpec | DraftSpec | None = None) -> SlotState:  # fmt: skip
+                    speculative: NgramSpec | DraftSpec | MtpSpec | None = None
+                    ) -> SlotState:  # fmt: skip
     """A runner's first `SlotState` (under `jax.eval_shape`: its shapes)."""
     spec_state = None
     if speculative is not None:
         spec_state = init_spec_state(spec.num_slots, speculative)
         if isinstance(speculative, DraftSpec):
             spec_state = spec_state._replace(draft=init_draft_cache(speculative, spec))
+        if isinstance(speculative, MtpSpec):
+            draft, hidden = init_mtp_state(speculative, spec)
+            spec_state = spec_state._replace(draft=draft, mtp_hidden=hidden)
     return SlotState(
         jnp.zeros(spec.num_slots + 1, jnp.int32),
         init_penalty_state(spec.num_slots, cfg.vocab_size),
@@ -140,7 +145,7 @@ FULL, PLAIN, GREEDY = "full", "plain", "greedy"
 
 def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs,
             draft_params=None, *, model, spec, num_decode, sampler: str = FULL,
-            speculative: NgramSpec | DraftSpec | None = None):  # fmt: skip
+            speculative: NgramSpec | DraftSpec | MtpSpec | None = None):  # fmt: skip
     """One engine step: forward, sample at each row's last token, remember the samples.
 
     The packed output has a row per step row. A bucket with prefill rows also keeps the
@@ -153,7 +158,8 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
     carry ``1 + k`` tokens is a verify step (`verify_step`); every step whose inputs have
     `lens_from_device` reads those rows' lengths from the device and records every row's
     length and fed tokens. A `DraftSpec` runner's draft model (`draft_params`) consumes every
-    step's tokens as the target does (`draft.advance_draft`)."""
+    step's tokens as the target does (`draft.advance_draft`); an `MtpSpec` runner's MTP head
+    (`draft_params`) every step's positions, paired with the next tokens (`mtp.advance_mtp`)."""
     TRACE_COUNTS[(model, spec)] += 1  # runs only while tracing
     if isinstance(inputs, PackedStepInputs):
         inputs = inputs.unpack()
@@ -207,6 +213,13 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
         draft = advance_draft(speculative, draft_params, spec_state.draft, input_ids, meta,
                               inputs, num_decode)  # fmt: skip
         spec_state = spec_state._replace(draft=draft)
+    if isinstance(speculative, MtpSpec):
+        draft, mtp_hidden = advance_mtp(
+            speculative, draft_params, params, spec_state.draft, spec_state.mtp_hidden, hidden,
+            next_tokens(input_ids, out.tokens, meta), meta, slots, meta.last_token_index, inputs,
+            num_decode,
+        )  # fmt: skip
+        spec_state = spec_state._replace(draft=draft, mtp_hidden=mtp_hidden)
     if recording:
         qsl = inputs.query_start_loc
         if num_rows > num_decode:  # a request's first step: forget its slot's last occupant
@@ -225,13 +238,15 @@ def step_fn(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs
 
 def verify_step(params, cache: StateCache, slot_state: SlotState, inputs: StepInputs,
                 draft_params=None, *, model, spec, sampler: str,
-                speculative: NgramSpec | DraftSpec):  # fmt: skip
+                speculative: NgramSpec | DraftSpec | MtpSpec):  # fmt: skip
     """A verify step (speculative decoding, `jaxmamba.model.speculative`): every row feeds its
     last sampled token and k drafts proposed here from its slot's history, the target scores
     the ``J = 1 + k`` positions, the accepted prefix is chosen, and the row's recurrent state
     is written after it; the row's length, history, output counts and last token advance by
     what it kept. A `DraftSpec` runner's drafts are its draft model's (`draft.propose_draft`),
-    whose state is written after the same kept positions.
+    whose state is written after the same kept positions; an `MtpSpec` runner's are its MTP
+    head's (`mtp.propose_mtp`), which then scores the verify positions again with the
+    target's hidden states and keeps its output at the last kept one.
 
     Returns ``i32[B, 2 + J·(3 + 2·MAX_LOGPROBS)]``: per row the drafts accepted, whether it
     proposed any (1/0), then each position's packed sample (`pack_sample_output`); the row
@@ -245,6 +260,10 @@ def verify_step(params, cache: StateCache, slot_state: SlotState, inputs: StepIn
     if isinstance(speculative, DraftSpec):
         drafts, draft_pending, draft_cache = propose_draft(speculative, draft_params, state.draft,
                                                            last, meta)  # fmt: skip
+        proposed = jnp.ones(rows, bool)
+    elif isinstance(speculative, MtpSpec):
+        drafts, mtp_cache = propose_mtp(speculative, draft_params, params, model, state.draft,
+                                        state.mtp_hidden, slots, meta)  # fmt: skip
         proposed = jnp.ones(rows, bool)
     else:
         drafts, proposed = propose_ngram(state.history, lens, last, slots, speculative)
@@ -270,6 +289,12 @@ def verify_step(params, cache: StateCache, slot_state: SlotState, inputs: StepIn
     cache = commit_pending(cache, pending, slots, kept)
     if isinstance(speculative, DraftSpec):
         state = state._replace(draft=commit_pending(draft_cache, draft_pending, slots, kept))
+    if isinstance(speculative, MtpSpec):  # position j pairs h_j with the token emitted after it
+        mtp_cache, mtp_hidden = advance_mtp(
+            speculative, draft_params, params, mtp_cache, state.mtp_hidden, hidden, out.tokens,
+            meta, slots, jnp.arange(rows) * (k + 1) + accepted,
+        )  # fmt: skip
+        state = state._replace(draft=mtp_cache, mtp_hidden=mtp_hidden)
     emitted = out.tokens.reshape(rows, k + 1)
     last_tokens = slot_state.last_tokens.at[slots].set(
         jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]

@@ -36,6 +36,9 @@ class Family:
     base_prefixes: tuple[str, ...] = ("model.", "")
     # ModelConfig -> config.json dict, for writing checkpoints (None: not implemented).
     to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
+    # The MTP head's config (`mtp.mtp_config`) -> its entries, under their full checkpoint
+    # names (`mtp.*`); None: the family's MTP layers do not run.
+    mtp_param_map: Callable[[ModelConfig], list[Entry]] | None = None
 
 
 # ----------------------------------------------------------------------------------------

@@ -285,10 +285,36 @@ def param_map_with(
     return param_map
 
 
+def mtp_param_map(cfg: ModelConfig) -> list[common.Entry]:
+    """The MTP layer's tensors (`mtp.*`, as vLLM's `qwen3_next_mtp.py` names them): the
+    zero-centred norms of the embedding and hidden inputs, `fc` [E, 2E] over [embedding |
+    hidden], one decoder layer `mtp.layers.0` (gated attention, then the MLP or MoE of layer
+    0), and `mtp.norm`. `cfg` is the head's (`mtp.mtp_config`)."""
+    E = cfg.hidden_size
+    plan = [
+        common.zero_centered_norm(("pre_fc_norm_embedding",), "mtp.pre_fc_norm_embedding", E),
+        common.zero_centered_norm(("pre_fc_norm_hidden",), "mtp.pre_fc_norm_hidden", E),
+        *common.linear(("fc",), "mtp.fc", 2 * E, E, False),
+    ]
+    layers = common.two_block_layers(
+        cfg, lambda i: f"mtp.layers.{i}", norms=("input_layernorm", "post_attention_layernorm")
+    )
+    for (m, hf, hf_norm), kind in zip(layers, cfg.layer_types, strict=True):
+        plan.append(common.zero_centered_norm((m[0], "norm"), hf_norm, E))
+        if kind == "attention":
+            plan += common.gated_attention(m, f"{hf}.self_attn", cfg)
+        elif kind == "mlp":
+            plan += common.glu_mlp(m, f"{hf}.mlp", E, cfg.intermediate_size, False)
+        else:
+            plan += common.softmax_moe(m, f"{hf}.mlp", cfg)
+    return plan + [common.zero_centered_norm(("norm",), "mtp.norm", E)]
+
+
 FAMILY = common.Family(
     model_type="qwen3_next",
     architecture="Qwen3NextForCausalLM",
     from_hf=from_hf,
     param_map=param_map_with(_in_proj_qkvz_ba),
     to_hf=to_hf,
+    mtp_param_map=mtp_param_map,
 )

@@ -1,0 +1,214 @@
+"""MTP speculative decoding (`jaxmamba.model.mtp`, docs/speculative.md): a Qwen3-Next
+checkpoint's `mtp.*` layer drafts inside the verify step.
+
+The checkpoint is transformers' random Qwen3NextForCausalLM with `mtp.*` tensors added under
+vLLM's names (transformers drops them on load), its decoder layer taken from a one-layer
+full-attention Qwen3NextForCausalLM saved alike. The oracle of the head is that layer run by
+transformers (float32), with the fc, norms and concatenation order of vLLM's
+`qwen3_next_mtp.py` written out in float64 numpy."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from jaxmamba import LLM, SamplingParams
+from jaxmamba.engine.config import SpeculativeConfig
+from jaxmamba.model.families import load_config
+from jaxmamba.model.loader import load_hf_checkpoint
+from jaxmamba.model.model import Mamba2HybridLM
+from jaxmamba.model.mtp import load_mtp
+from jaxmamba.model.step import build_metadata
+
+from hf_fixtures import GDN_LAYERS, make_qwen3_next_checkpoint, perturb_parameters
+from model_helpers import builder, make_runner, row
+
+ENGINE = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16, page_size=16,
+              enable_prefix_caching=True, num_state_slots=8, compilation_cache=False,
+              dtype="float32")  # fmt: skip
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def _add_mtp(path, seed: int, *, agree: bool = False):
+    """Write `mtp.*` tensors into the checkpoint at `path` and num_nextn_predict_layers: 1.
+    `agree`: the target and the head both predict one token whatever the context (the
+    residual streams' dimension 0 dominates and the output norms keep only it, the lm_head
+    rows are multiples of one vector), so every draft is accepted."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = json.loads((path / "config.json").read_text())
+    one = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    one.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
+    torch.manual_seed(seed)
+    layer_model = Qwen3NextForCausalLM(Qwen3NextConfig(**one)).float().eval()
+    perturb_parameters(layer_model, seed)
+    layer_dir = path / "mtp_layer"
+    layer_model.save_pretrained(layer_dir)
+    tensors = load_file(path / "model.safetensors")
+    for name, x in load_file(layer_dir / "model.safetensors").items():
+        if name.startswith("model.layers.0."):
+            tensors["mtp.layers.0." + name.removeprefix("model.layers.0.")] = x
+    rng = np.random.default_rng(seed)
+    e = config["hidden_size"]
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = (0.2 * rng.standard_normal(e)).astype(np.float32)
+    tensors["mtp.fc.weight"] = (rng.standard_normal((e, 2 * e)) / np.sqrt(2 * e)).astype(np.float32)
+    if agree:
+        only_first = np.full(e, -1.0, np.float32)  # zero-centred: scale 1 + w = e_0
+        only_first[0] = 0.0
+        tensors["model.embed_tokens.weight"][:, 0] = 60.0
+        tensors["model.norm.weight"] = only_first
+        tensors["mtp.norm.weight"] = only_first
+        tensors["mtp.fc.weight"][0, 0] = 40.0  # the normed embedding's dimension 0
+        tensors["lm_head.weight"] = np.outer(rng.standard_normal(config["vocab_size"]),
+                                             np.eye(e)[0]).astype(np.float32)  # fmt: skip
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return layer_model, tensors
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, model = make_qwen3_next_checkpoint(tmp_path_factory.mktemp("mtp"), seed=0)
+    layer_model, tensors = _add_mtp(path, seed=1)
+    return path, model, layer_model, tensors
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    path = str(checkpoint[0])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXMAMBA_SAMPLER_VARIANTS", "0")
+        return {"base": LLM(path, **ENGINE),
+                "mtp": LLM(path, speculative_config=MTP, **ENGINE)}  # fmt: skip
+
+
+def _rms64(x, w):
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * (1.0 + w.astype(np.float64))
+
+
+def _oracle_logits(checkpoint, prompt) -> np.ndarray:
+    """vLLM's MTP head at positions 0..n-2 of `prompt` (its logits predict tokens 2..n), in
+    float64 (the decoder layer in float32): the target's final-normed hidden h_t and the
+    embedding of token t + 1, each RMS-normed (x̂·(1 + w)), concatenated [embedding |
+    hidden], `fc`, transformers' decoder layer under a causal mask, `mtp.norm`, the lm_head."""
+    _, model, layer_model, t = checkpoint
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0].double().numpy()
+    n = len(prompt) - 1
+    emb = t["model.embed_tokens.weight"][prompt[1:]]
+    x = np.concatenate([_rms64(emb, t["mtp.pre_fc_norm_embedding.weight"]),
+                        _rms64(hidden[:n], t["mtp.pre_fc_norm_hidden.weight"])], -1)  # fmt: skip
+    x = x @ t["mtp.fc.weight"].astype(np.float64).T
+    layer_model.config._attn_implementation = "eager"
+    xt = torch.tensor(x[None], dtype=torch.float32)  # transformers' grouped experts: no f64
+    positions = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        rope = layer_model.model.rotary_emb(xt, positions)
+        out = layer_model.model.layers[0](xt, position_embeddings=rope, attention_mask=mask,
+                                          position_ids=positions)  # fmt: skip
+    out = out[0] if isinstance(out, tuple) else out
+    g = _rms64(out[0].double().numpy(), t["mtp.norm.weight"])
+    return g @ t["lm_head.weight"].astype(np.float64).T
+
+
+def test_mtp_head_logits_match_vllms_computation_in_numpy_and_transformers(checkpoint):
+    """The head over one prefill step's positions (the target's hidden states paired with the
+    next tokens, the last one with a given token) against the oracle."""
+    path = checkpoint[0]
+    cfg = load_config(str(path))
+    params = load_hf_checkpoint(path, cfg, dtype=np.float32)
+    spec, mtp_params = load_mtp(str(path), path, 2, cfg, jnp.float32)
+    runner = make_runner(cfg, params)
+    prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 23).tolist()
+    inputs = builder(runner).build([row(prompt[:-1], 0, 0)], _bucket(len(prompt) - 1))
+    target = Mamba2HybridLM(cfg, jnp.float32)
+    meta = build_metadata(target, runner.cache_spec, inputs, 0)
+    from jaxmamba.model.cache import init_cache
+    from jaxmamba.model.mtp import advance_mtp, init_mtp_state
+
+    hidden, _ = target.apply({"params": params}, inputs.input_ids,
+                             init_cache(cfg, runner.cache_spec, jnp.float32), meta)  # fmt: skip
+    next_ids = jnp.asarray(prompt[1:] + [0] * (inputs.input_ids.shape[0] - len(prompt) + 1))
+    kv, last = init_mtp_state(spec, runner.cache_spec)
+    g, _ = spec.model.apply({"params": mtp_params},
+                            params["embed"]["embedding"][next_ids], hidden, kv, meta)  # fmt: skip
+    ours = np.asarray(target.apply({"params": params}, g, method="logits"))[: len(prompt) - 1]
+    ref = _oracle_logits(checkpoint, prompt)
+    scale = max(1.0, float(np.abs(ref).max()))
+    assert float(np.abs(ours - ref).max()) <= 1e-4 * scale
+    # `advance_mtp` keeps the row's output at its last position for its first draft.
+    _, last = advance_mtp(spec, mtp_params, params, kv, last, hidden, next_ids, meta,
+                          inputs.state_slots, meta.last_token_index)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(last[0]), np.asarray(g[len(prompt) - 2]), rtol=1e-6)
+
+
+def _bucket(num_tokens: int):
+    from jaxmamba.engine.batch import Bucket
+
+    return Bucket(num_tokens, 1, 0)
+
+
+rng = np.random.default_rng(0)
+LONG = rng.integers(0, 97, 90).tolist()
+PROMPTS = [rng.integers(0, 97, 9).tolist(), LONG]
+SHARED = LONG[:70] + rng.integers(0, 97, 12).tolist()  # a prefix-cache hit on LONG's pages
+
+
+def _greedy_runs(llm):
+    """A batch with chunked prefill and mixed steps, then a prompt hitting its cached prefix."""
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first = llm.generate(None, greedy, prompt_token_ids=PROMPTS, use_tqdm=False)
+    second = llm.generate(None, greedy, prompt_token_ids=[SHARED], use_tqdm=False)
+    assert second[0].num_cached_tokens > 0
+    return [o.outputs[0].token_ids for o in first + second]
+
+
+def test_greedy_output_is_identical_with_mtp_drafts(engines):
+    llm = engines["mtp"]
+    assert _greedy_runs(llm) == _greedy_runs(engines["base"])
+    stats = llm.stats()
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+
+
+def test_an_mtp_head_that_agrees_with_the_target_has_its_drafts_accepted(tmp_path):
+    """Target and head both predict the lm_head's likeliest constant token at every position
+    (`_add_mtp(agree=True)`), so greedy output is that token and every draft is kept."""
+    path, _ = make_qwen3_next_checkpoint(tmp_path, seed=2)
+    _, tensors = _add_mtp(path, seed=3, agree=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXMAMBA_SAMPLER_VARIANTS", "0")
+        llm = LLM(str(path), speculative_config=MTP, **ENGINE)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    out = llm.generate(None, greedy, prompt_token_ids=PROMPTS, use_tqdm=False)
+    token = int(np.argmax(tensors["lm_head.weight"][:, 0]))
+    assert [o.outputs[0].token_ids for o in out] == [[token] * 16] * 2
+    stats = llm.stats()
+    assert stats["spec_acceptance_rate"] == 1.0
+    assert stats["spec_verify_steps"] > 0 and stats["steps"] < 16
+
+
+def test_mtp_is_refused_naming_a_model_without_mtp_layers(tmp_path):
+    path, _ = make_qwen3_next_checkpoint(tmp_path / "plain", layer_types=GDN_LAYERS, seed=4)
+    with pytest.raises(ValueError, match=r"has no MTP layers \(num_nextn_predict_layers=0\)"):
+        LLM(str(path), speculative_config=MTP, **ENGINE)
+    with pytest.raises(ValueError, match=r"nemotron-h-tiny is not an HF checkpoint"):
+        LLM("nemotron-h-tiny", speculative_config=MTP, **ENGINE)
+    with pytest.raises(ValueError, match="method 'mtp' drafts with the target's own"):
+        SpeculativeConfig(method="mtp", model="nemotron-h-tiny")
+
+
+def test_mtp_layers_of_an_unsupported_family_are_refused_by_name():
+    from jaxmamba.model.mtp import mtp_layers
+
+    with pytest.raises(ValueError, match=r"m \(model_type 'nemotron_h'\) has no MTP layers"):
+        mtp_layers({"model_type": "nemotron_h", "num_nextn_predict_layers": 1}, "m")
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=2; one MTP layer runs"):
+        mtp_layers({"model_type": "qwen3_next", "num_nextn_predict_layers": 2}, "m")
