@@ -186,6 +186,7 @@ sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
 seen = {}
 for size in (1, 2):
     llm = LLM("PRESET", tensor_parallel_size=size, **engine)
+    llm.engine.scheduler.use_buckets(decode=[engine["max_num_seqs"]])
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
     seen[size] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in
                    zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
@@ -199,7 +200,11 @@ json.dump(seen, open(sys.argv[1], "w"))
 
 def test_tensor_parallel_gdn_equals_one_device(tmp_path):
     """TP 2 splits the 6 GDN value heads 3 + 3 (one of the 2 key heads each), the query heads
-    and the experts' hidden units; TP 4 cannot split 6 value heads and is refused naming it."""
+    and the experts' hidden units; TP 4 cannot split 6 value heads and is refused naming it.
+    Each size compiles three step programs: the 64-token prefill of both prompts (the second
+    cut after 27 tokens), the second's last 10 tokens beside the first's decode row, and the
+    decodes. One decode bucket of max_num_seqs rows serves every decode step (the rows finish
+    a step apart): with the default ladder the last, 1-row step would be a fourth program."""
     out = tmp_path / "seen.json"
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")

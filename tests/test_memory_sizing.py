@@ -120,7 +120,11 @@ def test_gpu_memory_utilization_must_be_a_fraction(bad):
         EngineConfig(gpu_memory_utilization=bad)
 
 
-TINY = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32)
+# Two rows and one 16-token chunk: 5 buckets, 9 step programs with the decode variants, and
+# the 2 side programs. Sizing from device memory compiles every one of them for each cache it
+# plans (up to four plans before a cache settles), so their count is what the tests below
+# cost; none of what they assert depends on more rows or larger steps.
+TINY = dict(max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -184,13 +188,32 @@ def reserved_temporaries(llm) -> int:
 @pytest.fixture(scope="module")
 def given_sizes(params):
     """An engine whose cache sizes are given (the plan reserves its programs' temporaries
-    and checks the sizes fit), and what XLA says each of its programs needs."""
+    and checks the sizes fit), and what XLA says each of its programs needs. The sizes are
+    the smallest cache (a slot a row, one sequence's pages), where the refusal test below
+    compiles the same steps: the run's compilation cache hands them over."""
     with pytest.MonkeyPatch.context() as mp:
         fake = memory.DeviceMemory(LIMIT, IN_USE, "memory_stats")
         mp.setattr(memory, "device_memory", lambda device: fake)
         llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params,
-                  num_state_slots=4, num_pages=6, **TINY)  # fmt: skip
+                  num_state_slots=2, num_pages=6, **TINY)  # fmt: skip
     return llm, xla_program_bytes(llm)
+
+
+@pytest.fixture(scope="module")
+def sized_from_memory(params):
+    """An engine whose cache is sized from the made-up device's memory (the GPU/TPU path),
+    how many programs its first `generate` compiled, and what XLA says each of its programs
+    needs. Built once for the two tests that read it: sizing compiles every program at each
+    cache it plans, the most expensive thing in this file."""
+    with pytest.MonkeyPatch.context() as mp:
+        fake = memory.DeviceMemory(LIMIT, IN_USE, "memory_stats")
+        mp.setattr(memory, "device_memory", lambda device: fake)
+        llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **TINY)
+    before = llm.runner.num_compiles
+    prompts = [[256, *range(1, n)] for n in (3, 40, 70)]
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4),
+                 use_tqdm=False)  # fmt: skip
+    return llm, llm.runner.num_compiles - before, xla_program_bytes(llm)
 
 
 def test_the_budget_leaves_what_the_hungriest_program_needs(given_sizes):
@@ -202,20 +225,22 @@ def test_the_budget_leaves_what_the_hungriest_program_needs(given_sizes):
     assert len(needs) == len(llm.runner.programs(llm.engine.scheduler.all_buckets())) + 2
 
 
-def test_llm_sized_from_device_memory_leaves_room_for_every_program(fake_device, params):
+def test_llm_sized_from_device_memory_leaves_room_for_every_program(
+    fake_device, params, sized_from_memory
+):
     """The GPU/TPU path, on CPU with made-up memory_stats: the cache planned from the
     memory left after the weights leaves room for every program at the planned cache's
     shapes (XLA's analysis of each, compiled here on the engine's own arrays), and the
     arrays the runner allocates are the plan's."""
-    llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **TINY)
+    llm, _, needs = sized_from_memory
     p = llm.cache_plan
-    needs = xla_program_bytes(llm)
     assert max(needs.values()) <= reserved_temporaries(llm)
     assert device_bytes(llm) == p.cache_bytes <= p.budget
     assert device_bytes(llm) + max(needs.values()) <= 0.5 * LIMIT - IN_USE
     assert llm.engine_cfg.state_slots == llm.runner.cache_spec.num_slots == p.state_slots
     assert llm.engine_cfg.pages == llm.runner.cache_spec.num_pages == p.pages
-    assert p.checkpoint_slots > 0 and p.pages > 4 * 6
+    assert p.checkpoint_slots > 0  # and more pages than the running rows at max_model_len:
+    assert p.pages > llm.engine_cfg.max_num_seqs * llm.engine_cfg.max_pages_per_seq
     sp = SamplingParams(max_tokens=3)
     out = llm.generate(prompt_token_ids=[[256, 1, 2, 3]], sampling_params=sp, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
@@ -223,16 +248,12 @@ def test_llm_sized_from_device_memory_leaves_room_for_every_program(fake_device,
         LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, max_model_len=10**7, params=params)
 
 
-def test_the_programs_compiled_for_sizing_are_the_ones_the_engine_runs(fake_device, params):
+def test_the_programs_compiled_for_sizing_are_the_ones_the_engine_runs(sized_from_memory):
     """Sizing compiles every program at the planned cache's shapes before the cache is
-    allocated; the engine's runner takes them from the jit's cache: generating compiles
-    nothing more."""
-    llm = LLM("nemotron-h-tiny", gpu_memory_utilization=0.5, params=params, **TINY)
-    before = llm.runner.num_compiles
-    prompts = [[256, *range(1, n)] for n in (3, 40, 70)]
-    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=4),
-                 use_tqdm=False)  # fmt: skip
-    assert llm.runner.num_compiles == before
+    allocated; the engine's runner takes them from the jit's cache: generating (prompts of
+    3, 40 and 70 tokens: prefill chunks, mixed and decode steps) compiles nothing more."""
+    _, compiled_by_generate, _ = sized_from_memory
+    assert compiled_by_generate == 0
 
 
 @pytest.fixture(autouse=True)
@@ -285,7 +306,8 @@ def test_kv_cache_memory_bytes_sizes_the_cache(params):
     llm = LLM("nemotron-h-tiny", kv_cache_memory_bytes=budget, enable_prefix_caching=False,
               params=params, **TINY)  # fmt: skip
     p = llm.cache_plan
-    assert p.state_slots == 4 and p.pages == 4 * 6  # no caching: the running rows' needs only
+    rows = TINY["max_num_seqs"]
+    assert p.state_slots == rows and p.pages == rows * 6  # no caching: the running rows' needs
     assert device_bytes(llm) == p.cache_bytes <= budget
     with pytest.raises(ValueError, match=r"num_pages=100000 .* at most \d+ pages fit"):
         LLM("nemotron-h-tiny", kv_cache_memory_bytes=budget, num_pages=100_000, params=params,
