@@ -49,7 +49,9 @@ _CACHE_ENV = "JAXMAMBA_COMPILATION_CACHE_DIR"
 # first free worker: the long ones start first and the short ones fill in behind them, so
 # neither worker is left with a long file after the other has finished.
 LONGEST_FIRST = (
+    "test_speculative.py",
     "test_engine.py",
+    "test_memory_sizing.py",
     "test_kernels_ssd_pallas.py",
     "test_server.py",
     "test_artifacts_executables.py",
@@ -58,6 +60,8 @@ LONGEST_FIRST = (
     "test_artifacts_compile_cache.py",
     "test_llm_api.py",
     "test_artifacts.py",
+    "test_speculative_mtp.py",
+    "test_speculative_draft.py",
     "test_family_nemotron_h_moe.py",
     "test_tpu_compile.py",
     "test_sampling_hf.py",
