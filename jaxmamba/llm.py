@@ -93,11 +93,6 @@ class LLM:
                 "implemented yet: speculative decoding runs on one device"
             )
         if is_artifact(model):  # a `jaxmamba export` directory: runs without the model code
-            if engine_cfg.speculative_config is not None:
-                raise ValueError(
-                    f"speculative_config: exported artifacts hold no verify programs yet; serve "
-                    f"the model itself (not {model}) to speculate"
-                )
             if tensor_parallel_size != 1:
                 raise ValueError(
                     f"tensor_parallel_size={tensor_parallel_size}: exported artifacts hold "

@@ -3,7 +3,9 @@ the model code, and its greedy tokens and logprobs equal the live engine's and H
 transformers' (a random float32 checkpoint), prefix-cache hit included; decode steps that
 need no sort run the artifact's sort-free sampler program, with the same tokens and
 logprobs; constrained requests (structured outputs) give the live engine's tokens, and an
-artifact whose FULL programs take no token bitmask refuses them; a corrupted or mismatched
+artifact whose FULL programs take no token bitmask refuses them; an artifact exported with
+n-gram speculation speculates, with the live engine's greedy tokens, and refuses other
+speculative configs by key; a format 3 manifest still serves; a corrupted or mismatched
 artifact is rejected naming the field."""
 
 from __future__ import annotations
@@ -203,7 +205,8 @@ def test_manifest_lists_every_bucket_with_shapes(artifact):
     assert [(b["num_tokens"], b["num_rows"], b["num_decode"]) for b in m["buckets"]] == [
         (b.num_tokens, b.num_rows, b.num_decode) for b in buckets
     ]
-    assert m["format_version"] == 3 and m["structured_outputs"] is True
+    assert m["format_version"] == 4 and m["structured_outputs"] is True
+    assert m["engine"]["speculative_config"] is None
     for b in m["buckets"]:
         n_in = m["state"]["params"] + len(m["state"]["cache"]) + len(m["state"]["slot_state"])
         # The step's inputs: one int32 buffer, every field the bucket's padding has, packed;
@@ -240,7 +243,7 @@ def _edit(path: Path, change) -> None:
     "change, field, held, expected",
     [
         (lambda m: m.update(jax_version="0.0.1"), "jax_version", "0.0.1", None),
-        (lambda m: m.update(format_version=99), "format_version", "99", "[2, 3]"),
+        (lambda m: m.update(format_version=99), "format_version", "99", "[2, 3, 4]"),
         (lambda m: m.pop("structured_outputs"), "structured_outputs", None, None),
         (lambda m: m.update(structured_outputs=False), "inputs", "False", "without the token"),
         (lambda m: m.update(platforms=["tpu"]), "platforms", "['tpu']", repr(runtime_platform())),
@@ -344,3 +347,101 @@ def test_artifact_without_the_bitmask_refuses_constrained_requests(checkpoint, t
         out = llm.generate(["hello"], SamplingParams(max_tokens=1, temperature=0.0),
                            use_tqdm=False)  # fmt: skip
         assert len(out[0].outputs[0].token_ids) == 1
+
+
+# -- n-gram speculative decoding from an artifact ------------------------------------------------
+
+# The tiny preset, one decode row: 4 buckets (decode, its verify bucket of 1 + 2 tokens, a
+# prefill, a mixed step); its greedy continuation of this prompt falls into a cycle, which
+# prompt lookup drafts.
+SPEC_MODEL = "nemotron-h-tiny"
+SPEC_ENGINE = dict(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=16,
+                   enable_prefix_caching=False)  # fmt: skip
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+REPEATING = [[5, 6, 7, 8] * 4]
+
+
+@pytest.fixture(scope="module")
+def ngram_artifact(tmp_path_factory):
+    return export_artifact(SPEC_MODEL, tmp_path_factory.mktemp("ngram") / "art",
+                           engine={**SPEC_ENGINE, "speculative_config": NGRAM})  # fmt: skip
+
+
+def test_ngram_artifact_speculates_with_the_live_engines_greedy_tokens(ngram_artifact):
+    """`LLM(DIR)` of an artifact exported with an n-gram speculative_config runs its verify
+    programs (drafts accepted) and gives the live non-speculative engine's greedy tokens;
+    asking for the recorded config, `disable_by_batch_size` aside, is accepted."""
+    m = read_artifact(ngram_artifact).manifest
+    assert m["format_version"] == 4
+    assert m["engine"]["speculative_config"]["num_speculative_tokens"] == 2
+    verify = [b for b in m["buckets"] if (b["num_tokens"], b["num_rows"]) == (3, 1)]
+    assert len(verify) == 1 and sorted(verify[0]["variants"]) == ["greedy", "plain"]
+
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    asked = {**NGRAM, "disable_by_batch_size": 1}  # scheduling only: may differ
+    served = LLM(str(ngram_artifact), compilation_cache=False, speculative_config=asked)
+    assert served.engine_cfg.speculative_config.disable_by_batch_size == 1
+    assert served.runner.speculative.num_tokens == 2
+    ours = served.generate(prompt_token_ids=REPEATING, sampling_params=sp, use_tqdm=False)
+    live = LLM(SPEC_MODEL, compilation_cache=False, **SPEC_ENGINE)
+    theirs = live.generate(prompt_token_ids=REPEATING, sampling_params=sp, use_tqdm=False)
+    assert ours[0].outputs[0].token_ids == theirs[0].outputs[0].token_ids
+    stats = served.stats()
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+
+
+@pytest.mark.parametrize(
+    "asked, message",
+    [
+        ({**NGRAM, "num_speculative_tokens": 3},
+         "'speculative_config.num_speculative_tokens' holds 2, expected 3"),
+        ({**NGRAM, "prompt_lookup_max": 2}, "'speculative_config.prompt_lookup_max' holds 4"),
+        ({"method": "draft_model", "model": SPEC_MODEL}, "'draft_model'.*weights"),
+        ({"method": "mtp"}, "'mtp'.*weights"),
+    ],
+    ids=["k", "lookup", "draft_model", "mtp"],
+)  # fmt: skip
+def test_other_speculative_configs_are_refused_naming_the_key(ngram_artifact, asked, message):
+    with pytest.raises(ArtifactError, match=message):
+        LLM(str(ngram_artifact), compilation_cache=False, speculative_config=asked)
+
+
+def test_speculation_the_artifact_was_not_exported_for_is_refused(artifact, tmp_path):
+    """An artifact exported without speculation refuses a speculative_config by name, and one
+    whose verify buckets stop at `disable_by_batch_size` refuses a larger one."""
+    with pytest.raises(ArtifactError, match="'speculative_config' holds None.*no verify"):
+        LLM(str(artifact), compilation_cache=False, speculative_config=NGRAM)
+    from jaxmamba.engine.batch import Bucket
+
+    engine = {**SPEC_ENGINE, "max_num_seqs": 2,
+              "speculative_config": {**NGRAM, "disable_by_batch_size": 1}}  # fmt: skip
+    path = export_artifact(SPEC_MODEL, tmp_path / "art", engine=engine,
+                           buckets=[Bucket(3, 1, 1)], sampler_variants=False)  # fmt: skip
+    with pytest.raises(ArtifactError, match=r"'speculative_config.disable_by_batch_size' "
+                                            r"holds 1, expected None.*\(6, 2, 2\)"):  # fmt: skip
+        LLM(str(path), compilation_cache=False, speculative_config=NGRAM)
+
+
+def test_format_3_artifacts_still_serve(artifact, tmp_path):
+    """A version 3 manifest (before speculation in artifacts) serves as it did; one that says
+    it speculates is corrupted."""
+    older = _copy(artifact, tmp_path)
+    _edit(older, lambda m: m.update(format_version=3))
+    llm = LLM(str(older), compilation_cache=False)
+    assert llm.runner.speculative is None
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
+                       sampling_params=SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
+    assert len(out[0].outputs[0].token_ids) == 2
+    _edit(older, lambda m: m["engine"].update(speculative_config=NGRAM))
+    with pytest.raises(ArtifactError, match="format version 3 artifacts do not speculate"):
+        read_artifact(older)
+
+
+def test_aot_refuses_a_speculative_config_by_name():
+    """`jaxmamba aot` compiles the plain steps only: a speculative_config is refused before
+    anything compiles, not dropped."""
+    from jaxmamba.export.aot import aot_compile
+
+    engine = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+    with pytest.raises(ValueError, match="speculative_config: jaxmamba aot compiles the plain"):
+        aot_compile("nemotron-h-tiny", engine=engine)

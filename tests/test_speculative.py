@@ -81,9 +81,10 @@ def test_unsupported_combinations_are_refused(tmp_path):
         LLM("nemotron-h-tiny", speculative_config=NGRAM, tensor_parallel_size=2)
     from jaxmamba.export.writer import export_artifact
 
-    with pytest.raises(ValueError, match="speculative_config: an exported artifact"):
-        export_artifact("nemotron-h-tiny", tmp_path / "art", engine={"speculative_config": NGRAM})
-    assert not (tmp_path / "art").exists()
+    draft = {"method": "draft_model", "model": "nemotron-h-tiny"}
+    with pytest.raises(ValueError, match="'draft_model'.*weights"):
+        export_artifact("nemotron-h-tiny", tmp_path / "art", engine={"speculative_config": draft})
+    assert not list(tmp_path.iterdir())
 
 
 # -- the verify step's recurrent math ---------------------------------------------------------

@@ -182,7 +182,7 @@ class LLMEngine:
         if spec is not None and runner.speculative is None:
             raise ValueError(
                 f"speculative_config={spec}: this engine's {type(runner).__name__} has no verify "
-                "programs (an exported artifact holds none: serve the model itself)"
+                "programs (an artifact exported without a speculative_config holds none)"
             )
         if spec is not None and runner.speculative.num_tokens != spec.num_speculative_tokens:
             raise ValueError(f"speculative_config {spec} but the runner speculates "

@@ -126,6 +126,12 @@ def aot_compile(
     from jaxmamba.model.families import load_config
     from jaxmamba.model.model import Mamba2HybridLM
 
+    if (engine or {}).get("speculative_config") is not None:
+        raise ValueError(
+            "speculative_config: jaxmamba aot compiles the plain steps only, not a speculating "
+            "engine's verify steps; export an artifact with it instead (jaxmamba export "
+            "--speculative-config)"
+        )
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # no libtpu, or an unknown topology

@@ -19,9 +19,12 @@ A step takes four flat lists of arrays `(params, cache, slot_state, inputs)` (th
 manifest's `structured_outputs`, a FULL program's buffer holds the token bitmask, as the live
 runner's does) and returns `(packed sample output, cache, slot_state)`; cache and slot
 state are donated. The score program takes `(params, prompt_hidden, targets)` (the params'
-leaves, the slot state's last leaf, i32 targets) and returns the packed prompt logprobs; the
-fork copies (`runner.fork_fn`) are plain array copies, which the serving process compiles
-itself. Reading checks every field a step depends on and rejects a mismatch with
+leaves, the slot state's `prompt_hidden` leaf, i32 targets) and returns the packed prompt
+logprobs; the fork copies (`runner.fork_fn`) are plain array copies, which the serving
+process compiles itself. With the engine's `speculative_config` (method "ngram", format
+version 4) the buckets include the verify buckets (`Bucket(b * (1 + k), b, b)`), and every
+step takes the speculating slot state (`SlotState.spec`) and `lens_from_device`, as a live
+speculating runner's does. Reading checks every field a step depends on and rejects a mismatch with
 `ArtifactError` naming the field, what it holds and what was expected.
 """
 
@@ -40,10 +43,14 @@ FORMAT = "jaxmamba-artifact"
 # 3: the manifest's `structured_outputs` says whether every FULL program but a verify
 # bucket's takes the token bitmask in its buffer (`runner.takes_bitmask`); a variant whose
 # buffer differs from its bucket's FULL program lists its own `inputs`.
-FORMAT_VERSION = 3
+# 4: the engine's `speculative_config` may be set (method "ngram"): the artifact then holds
+# the verify buckets, and every program takes and returns the speculating slot state
+# (`SlotState.spec`) and reads `lens_from_device` from its buffer.
+FORMAT_VERSION = 4
 # The versions this jaxmamba serves: a version 2 artifact's FULL programs take no token
-# bitmask (it has no `structured_outputs`), so it serves everything but constrained requests.
-READ_VERSIONS = (2, 3)
+# bitmask (it has no `structured_outputs`), so it serves everything but constrained requests;
+# versions 2 and 3 never speculate.
+READ_VERSIONS = (2, 3, 4)
 MANIFEST = "manifest.json"
 # jax.export platform names -> the model's kernel choice when tracing for that platform.
 PLATFORM_IMPLS = {"cpu": "ref", "cuda": "auto_gpu", "tpu": "auto_tpu"}
@@ -135,6 +142,34 @@ def serves_structured_outputs(manifest: dict) -> bool:
     return bool(manifest.get("structured_outputs", False))
 
 
+# Why an artifact speculates with method "ngram" only: the others draft with weights of
+# their own, which export does not write.
+UNEXPORTED_DRAFTING = {
+    "draft_model": "the draft model's weights (and its cache and programs) would have to be "
+    "exported too",
+    "mtp": "the MTP layer's weights (and its KV pages) would have to be exported too",
+}
+
+
+def artifact_speculation(speculative_config):
+    """The `NgramSpec` an artifact's verify programs draft with for `speculative_config` (an
+    `EngineConfig.speculative_config`), or None without speculation; methods "draft_model"
+    and "mtp" are an `ArtifactError` naming the method and why."""
+    if speculative_config is None:
+        return None
+    method = speculative_config.method
+    if method in UNEXPORTED_DRAFTING:
+        raise ArtifactError(
+            f"speculative_config.method={method!r}: exported artifacts speculate with method "
+            f"'ngram' only: {UNEXPORTED_DRAFTING[method]}; serve the model itself to draft "
+            "with it"
+        )
+    from jaxmamba.model.speculative import NgramSpec
+
+    sc = speculative_config
+    return NgramSpec(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
+
+
 REQUIRED = ("format", "format_version", "jax_version", "platforms", "model", "dtype", "engine",
             "cache", "input_fields", "state", "buckets", "score", "weights")  # fmt: skip
 
@@ -170,6 +205,11 @@ def read_artifact(path: str | os.PathLike, *, platform: str | None = None) -> Ar
     if manifest["format_version"] >= 3 and "structured_outputs" not in manifest:
         raise ArtifactError(f"{where}: corrupted: missing field 'structured_outputs' (format "
                             f"version {manifest['format_version']} has it)")  # fmt: skip
+    speculative = manifest["engine"].get("speculative_config")
+    if manifest["format_version"] < 4 and speculative is not None:
+        raise ArtifactError(f"{where}: corrupted: engine field 'speculative_config' holds "
+                            f"{speculative!r}, but format version {manifest['format_version']} "
+                            "artifacts do not speculate (version 4 may)")  # fmt: skip
     if manifest["jax_version"] != jax.__version__:
         raise _mismatch(
             "jax_version", manifest["jax_version"], jax.__version__, where,

@@ -20,21 +20,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmamba.config import ModelConfig
-from jaxmamba.engine.config import EngineConfig
+from jaxmamba.engine.config import EngineConfig, SpeculativeConfig
 from jaxmamba.engine.engine import LLMEngine
 from jaxmamba.engine.runner import FULL, StepRunner, variants_enabled
 from jaxmamba.engine.scheduler import Scheduler
 from jaxmamba.export.artifact import (
     Artifact,
     ArtifactError,
+    artifact_speculation,
     input_avals,
     programs,
     read_artifact,
     serves_structured_outputs,
 )
 from jaxmamba.model.metadata import PackedStepInputs
-from jaxmamba.model.step import fork_fn
-from jaxmamba.step_contract import MAX_PROMPT_LOGPROB_TOKENS, CacheSpec, StepInputs
+from jaxmamba.model.step import fork_fn, init_slot_state
+from jaxmamba.step_contract import CacheSpec, StepInputs
 from jaxmamba.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _COMPILE = threading.local()  # per compiling thread: did its last compile hit the disk cache
@@ -70,7 +71,9 @@ class ArtifactRunner(StepRunner):
     take the token bitmask where `takes_bitmask` says when the manifest's `structured_outputs`
     says so (`structured_outputs`, as a `ModelRunner`'s); an artifact without it (format
     version 2, or exported with `JAXMAMBA_STRUCTURED_OUTPUTS=0`) takes none, and the engine
-    refuses constrained requests on it."""
+    refuses constrained requests on it. An artifact exported with an n-gram
+    `speculative_config` holds the verify programs: the runner speculates (`speculative`, as a
+    `ModelRunner`'s), and its slot state keeps each slot's length and token history."""
 
     def __init__(self, artifact: Artifact, params=None, *, platform: str | None = None,
                  weights: str | os.PathLike | None = None):  # fmt: skip
@@ -82,6 +85,11 @@ class ArtifactRunner(StepRunner):
         self.cache_spec = CacheSpec(**m["cache"])
         self.dtype = jnp.dtype(m["dtype"])
         self.structured_outputs = serves_structured_outputs(m)
+        self.speculative = artifact_speculation(EngineConfig(**m["engine"]).speculative_config)
+        # The slot state's shapes, as a live runner of these settings makes it.
+        self._slot_shapes = jax.eval_shape(
+            lambda: init_slot_state(self.cfg, self.cache_spec, self.dtype, self.speculative)
+        )
         self.params = self._load_params(params, weights)
         self._check_state()
         self.reset_state()
@@ -99,8 +107,12 @@ class ArtifactRunner(StepRunner):
         self._check_inputs()
 
     def _new_state(self) -> tuple:
-        state = self.artifact.manifest["state"]
-        return _zeros(state["cache"]), _zeros(state["slot_state"])
+        # The slot state's first values are `init_slot_state`'s (a token history starts at -1,
+        # "none yet"), committed to the device as `_zeros` are.
+        device = jax.devices()[0]
+        slot_state = init_slot_state(self.cfg, self.cache_spec, self.dtype, self.speculative)
+        return (_zeros(self.artifact.manifest["state"]["cache"]),
+                [jax.device_put(x, device) for x in jax.tree.leaves(slot_state)])  # fmt: skip
 
     def _check_state(self) -> None:
         """The cache and sampler state the manifest lists are what its `model` and `cache`
@@ -113,23 +125,14 @@ class ArtifactRunner(StepRunner):
                 _aval(a)
                 for a in jax.tree.leaves(cache_shapes(self.cfg, self.cache_spec, self.dtype))
             ],  # fmt: skip
-            "slot_state": [_aval(jax.ShapeDtypeStruct((self.cache_spec.num_slots + 1,), "int32"))]
-            + [
-                {"shape": [self.cache_spec.num_slots + 1, self.cfg.vocab_size], "dtype": d}
-                for d in ("bool", "int32")
-            ]
-            + [
-                {
-                    "shape": [MAX_PROMPT_LOGPROB_TOKENS, self.cfg.hidden_size],
-                    "dtype": self.dtype.name,
-                }
-            ],  # fmt: skip
+            "slot_state": [_aval(a) for a in jax.tree.leaves(self._slot_shapes)],
         }
         for name, avals in implied.items():
             if m["state"][name] != avals:
                 raise ArtifactError(
                     f"{where}: field 'state.{name}' holds {m['state'][name]}, expected "
-                    f"{avals} (implied by its fields 'model' and 'cache')"
+                    f"{avals} (implied by its fields 'model', 'cache' and "
+                    f"'engine.speculative_config')"
                 )
         p, c = m["state"]["params"], len(implied["cache"])
         for entry in self.artifact.buckets():
@@ -148,8 +151,10 @@ class ArtifactRunner(StepRunner):
 
         m, where = self.artifact.manifest, self.artifact.where
         engine = EngineConfig(**m["engine"])
-        builder = StepBuilder(self.cache_spec, engine.max_pages_per_seq, self.cfg.vocab_size,
-                              self.cfg.chunk_size)  # fmt: skip
+        builder = StepBuilder(
+            self.cache_spec, engine.max_pages_per_seq, self.cfg.vocab_size, self.cfg.chunk_size,
+            speculative=self.speculative is not None,
+        )  # fmt: skip
         for key, entry in self._entries.items():
             for sampler, node in programs(entry):
                 inputs = self.program_inputs((Bucket(*key), sampler), builder.padding)
@@ -313,7 +318,9 @@ class ArtifactRunner(StepRunner):
         self.cache = self._fork_program()(self.cache, *forks)
 
     def _run_score(self, targets: np.ndarray):
-        return self._score_program()(self.params, self.slot_state[-1], targets)
+        # the slot state's `prompt_hidden` leaf: after `last_tokens` and `penalties`' leaves
+        hidden = len(jax.tree.leaves(self._slot_shapes[:2]))
+        return self._score_program()(self.params, self.slot_state[hidden], targets)
 
     def _compile(self, program: tuple, inputs: StepInputs) -> None:
         bucket, sampler = program
@@ -389,15 +396,54 @@ _ENGINE_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "ma
                   "num_pages", "mamba_ssm_cache_dtype")  # fmt: skip
 
 
+# `speculative_config` keys that steer only the scheduler (which decode steps verify), not
+# the programs: a served value may differ from the exported one (`served_speculation`).
+SCHEDULING_SPECULATIVE_KEYS = ("disable_by_batch_size",)
+
+
+def served_speculation(artifact: Artifact, asked) -> SpeculativeConfig:
+    """The speculative config to serve the artifact with when `asked` (a `speculative_config`
+    setting): the recorded one, but for the keys in `SCHEDULING_SPECULATIVE_KEYS`. Methods
+    "draft_model" and "mtp", an artifact exported without speculation, and a key that shapes
+    the programs (method, k, the lookup lengths) differing from the recorded one are an
+    `ArtifactError` naming it."""
+    asked = SpeculativeConfig.parse(asked)
+    artifact_speculation(asked)  # draft_model, mtp: refused by name
+    held = artifact.manifest["engine"].get("speculative_config")
+    if held is None:
+        raise ArtifactError(
+            f"{artifact.where}: engine field 'speculative_config' holds None, expected "
+            f"{dataclasses.asdict(asked)} (asked for): the artifact was exported without "
+            "speculation and holds no verify programs; re-export with that speculative_config"
+        )
+    held = SpeculativeConfig.parse(held)
+    for f in dataclasses.fields(SpeculativeConfig):
+        mine, theirs = getattr(held, f.name), getattr(asked, f.name)
+        if f.name not in SCHEDULING_SPECULATIVE_KEYS and mine != theirs:
+            raise ArtifactError(
+                f"{artifact.where}: engine field 'speculative_config.{f.name}' holds {mine!r}, "
+                f"expected {theirs!r} (asked for): the verify programs are built for it; "
+                "re-export with that setting"
+            )
+    return asked
+
+
 def engine_config(artifact: Artifact, requested: dict | None = None) -> EngineConfig:
     """The artifact's engine settings; a `requested` value that differs from both
-    `EngineConfig`'s default and the artifact's is an error naming the field."""
+    `EngineConfig`'s default and the artifact's is an error naming the field. A requested
+    `speculative_config` is checked by `served_speculation` (which lets
+    `disable_by_batch_size` differ)."""
     m = artifact.manifest
     cfg = EngineConfig(**m["engine"])
     if requested:
         defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
         for name, value in requested.items():
             held = m["engine"].get(name)
+            if name == "speculative_config":
+                if value is not None:
+                    cfg = dataclasses.replace(cfg, speculative_config=served_speculation(
+                        artifact, value))  # fmt: skip
+                continue
             if value != held and value != defaults.get(name):
                 raise ArtifactError(
                     f"{artifact.where}: engine field {name!r} holds {held!r}, expected "
@@ -425,16 +471,30 @@ def serve_artifact(path, *, seed: int = 0, params=None, precompile: bool = False
     """The engine that serves the artifact at `path` (`engine`: the `EngineConfig` settings
     asked for, checked against the exported ones by `engine_config`)."""
     artifact = read_artifact(path)
+    engine_cfg = engine_config(artifact, engine)
     runner = ArtifactRunner(artifact, params, weights=weights)
     runner.load_steps()
-    engine_cfg = engine_config(artifact, engine)
     exported = sorted(runner.buckets())
-    needed = sorted((b.num_tokens, b.num_rows, b.num_decode)
-                    for b in Scheduler(runner.cfg, engine_cfg).all_buckets())  # fmt: skip
-    if len(exported) == artifact.manifest["all_buckets"] and exported != needed:
+
+    def needed(cfg: EngineConfig) -> list[tuple[int, int, int]]:
+        return sorted((b.num_tokens, b.num_rows, b.num_decode)
+                      for b in Scheduler(runner.cfg, cfg).all_buckets())  # fmt: skip
+
+    recorded = EngineConfig(**artifact.manifest["engine"])
+    if len(exported) == artifact.manifest["all_buckets"] and exported != needed(recorded):
         raise ArtifactError(
             f"{artifact.where}: field 'buckets' holds {exported}, expected the scheduler's "
-            f"{needed} for these engine settings"
+            f"{needed(recorded)} for these engine settings"
+        )
+    missing = sorted(set(needed(engine_cfg)) - set(exported))
+    if missing and engine_cfg.speculative_config != recorded.speculative_config:
+        key = "disable_by_batch_size"
+        raise ArtifactError(
+            f"{artifact.where}: engine field 'speculative_config.{key}' holds "
+            f"{getattr(recorded.speculative_config, key)!r}, expected "
+            f"{getattr(engine_cfg.speculative_config, key)!r} (asked for), whose verify "
+            f"buckets {missing} the artifact does not hold: ask for at most the exported "
+            "value, or re-export with it"
         )
     tok = artifact.manifest.get("tokenizer")
     if tok == "byte":

@@ -23,6 +23,7 @@ from jaxmamba.export.artifact import (
     MANIFEST,
     PLATFORM_IMPLS,
     UNSTABLE_CUSTOM_CALLS,
+    artifact_speculation,
     bucket_name,
     programs,
     runtime_platform,
@@ -34,15 +35,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _flat_step(params, cache, slot_state, inputs, *, trees, model, spec, num_decode,
-               sampler: str = "full"):  # fmt: skip
+               sampler: str = "full", speculative=None):  # fmt: skip
     """The engine step on flat lists of leaves: what an artifact stores for one bucket and
-    sampler program (`jaxmamba aot` compiles the full one)."""
+    sampler program (`jaxmamba aot` compiles the full one); `speculative` (an `NgramSpec`):
+    the step of a runner that speculates."""
     from jaxmamba.model.step import step_fn
 
     args = [jax.tree.unflatten(t, leaves) for t, leaves in
             zip(trees, (params, cache, slot_state, inputs), strict=True)]  # fmt: skip
+    extra = {} if speculative is None else {"speculative": speculative}
     packed, cache, slot_state = step_fn(*args, model=model, spec=spec, num_decode=num_decode,
-                                        sampler=sampler)  # fmt: skip
+                                        sampler=sampler, **extra)  # fmt: skip
     return packed, jax.tree.leaves(cache), jax.tree.leaves(slot_state)
 
 
@@ -148,15 +151,16 @@ def program_padding(builder, bucket, sampler: str, vocab_size: int, structured: 
 
 
 def step_specs(cfg, spec, dtype, params_tree, builder, bucket, sampler: str = "full",
-               structured: bool = False):  # fmt: skip
+               structured: bool = False, speculative=None):  # fmt: skip
     """The abstract `(params, cache, slot_state, inputs)` of one bucket's step program
-    (`sampler`; `structured`: with the token bitmask where it takes one, `program_padding`),
-    and their treedefs; the inputs packed into one buffer, as the runners pass them."""
+    (`sampler`; `structured`: with the token bitmask where it takes one, `program_padding`;
+    `speculative`: the slot state of a runner that speculates so), and their treedefs; the
+    inputs packed into one buffer, as the runners pass them."""
     from jaxmamba.model.cache import cache_shapes
     from jaxmamba.model.metadata import PackedStepInputs
     from jaxmamba.model.step import init_slot_state
 
-    slot_state = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype))
+    slot_state = jax.eval_shape(lambda: init_slot_state(cfg, spec, dtype, speculative))
     padding = program_padding(builder, bucket, sampler, cfg.vocab_size, structured)
     inputs = PackedStepInputs.pack(padding)
     args = (params_tree, cache_shapes(cfg, spec, dtype), slot_state, inputs)
@@ -170,17 +174,21 @@ def step_specs(cfg, spec, dtype, params_tree, builder, bucket, sampler: str = "f
 
 
 def export_step(cfg, spec, dtype, params_tree, builder, bucket, platform: str, impl=None,
-                sampler: str = "full", structured: bool = False):  # fmt: skip
+                sampler: str = "full", structured: bool = False,
+                speculative=None):  # fmt: skip
     """`jax.export` of one bucket's step for `platform` (flat leaves in and out), with the
     `sampler` program (`jaxmamba.engine.runner.FULL`, `PLAIN` or `GREEDY`); `structured`: it
-    takes the token bitmask where `takes_bitmask` says."""
+    takes the token bitmask where `takes_bitmask` says; `speculative` (an `NgramSpec`): the
+    step of a runner that speculates (a verify bucket's is the verify step)."""
     from jaxmamba.model.model import Mamba2HybridLM
 
     model = Mamba2HybridLM(cfg, dtype, impl or PLATFORM_IMPLS[platform])
-    flat, trees = step_specs(cfg, spec, dtype, params_tree, builder, bucket, sampler, structured)
+    flat, trees = step_specs(cfg, spec, dtype, params_tree, builder, bucket, sampler, structured,
+                             speculative)  # fmt: skip
     fn = jax.jit(
         functools.partial(_flat_step, trees=trees, model=model, spec=spec,
-                          num_decode=bucket.num_decode, sampler=sampler),
+                          num_decode=bucket.num_decode, sampler=sampler,
+                          speculative=speculative),
         donate_argnums=(1, 2),
     )  # fmt: skip
     disabled = [jax.export.DisabledSafetyCheck.custom_call(c) for c in UNSTABLE_CUSTOM_CALLS]
@@ -224,7 +232,8 @@ def _setup(model: str, engine: dict | None, dtype: str):
         page_size=engine_cfg.page_size, ssm_dtype=engine_cfg.ssm_dtype,
         kv_dtype=engine_cfg.kv_cache_dtype,
     )  # fmt: skip
-    builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size)
+    builder = StepBuilder(spec, engine_cfg.max_pages_per_seq, cfg.vocab_size, cfg.chunk_size,
+                          speculative=engine_cfg.speculative_config is not None)  # fmt: skip
     return dtype_name, cfg, engine_cfg, spec, builder, tokenizer
 
 
@@ -258,16 +267,17 @@ def _export_job(job) -> tuple[bytes, float]:
     from jaxmamba.model.dtypes import DTYPES
 
     model, engine, dtype, quantization, bucket, platform, sampler, structured = job
-    key = (model, json.dumps(engine, sort_keys=True), dtype, quantization)
+    key = (model, json.dumps(engine, sort_keys=True, default=repr), dtype, quantization)
     if key not in _WORKER_SETUP:
         dtype_name, cfg, *rest = _setup(model, engine, dtype)
         tree = param_tree(model, cfg, DTYPES[dtype_name], quantization)
         _WORKER_SETUP[key] = (dtype_name, cfg, *rest, tree)
-    dtype_name, cfg, _, spec, builder, _, tree = _WORKER_SETUP[key]
+    dtype_name, cfg, engine_cfg, spec, builder, _, tree = _WORKER_SETUP[key]
     jdtype = DTYPES[dtype_name]
     start = time.perf_counter()
     exp = export_step(cfg, spec, jdtype, tree, builder, Bucket(*bucket), platform,
-                      sampler=sampler, structured=structured)  # fmt: skip
+                      sampler=sampler, structured=structured,
+                      speculative=artifact_speculation(engine_cfg.speculative_config))  # fmt: skip
     return exp.serialize(), time.perf_counter() - start
 
 
@@ -326,8 +336,12 @@ def export_artifact(
     (`--no-sampler-variants`) exports one program a bucket. `structured_outputs` (default:
     unless `JAXMAMBA_STRUCTURED_OUTPUTS=0`): every FULL program takes the token bitmask where
     `jaxmamba.engine.runner.takes_bitmask` says, as the live runner's do, so the artifact
-    serves constrained requests (the manifest's `structured_outputs` records it)."""
+    serves constrained requests (the manifest's `structured_outputs` records it).
+    `engine["speculative_config"]` (method "ngram"; "draft_model" and "mtp" are refused by
+    name): the steps are those of a live engine that speculates so, its verify buckets
+    included, and `LLM(out)` speculates with them (the manifest's `engine` records it)."""
     from jaxmamba.config import checkpoint_dir
+    from jaxmamba.engine.config import EngineConfig
     from jaxmamba.engine.runner import (
         FULL,
         bucket_samplers,
@@ -342,11 +356,7 @@ def export_artifact(
     from jaxmamba.step_contract import StepInputs
 
     say = progress or (lambda _msg: None)
-    if (engine or {}).get("speculative_config") is not None:
-        raise ValueError(
-            "speculative_config: an exported artifact holds no verify programs yet; export "
-            "without it (speculative decoding runs on the live engine: docs/speculative.md)"
-        )
+    speculative = artifact_speculation(EngineConfig(**(engine or {})).speculative_config)
     if platforms is None:
         platforms = (runtime_platform(),)
     unknown = sorted(set(platforms) - set(PLATFORM_IMPLS))
@@ -414,7 +424,8 @@ def export_artifact(
             blob = exported.get((dataclasses.astuple(bucket), platform, sampler))
             if blob is None:
                 exp = export_step(cfg, spec, jdtype, params_tree, builder, bucket, platform,
-                                  sampler=sampler, structured=structured_outputs)  # fmt: skip
+                                  sampler=sampler, structured=structured_outputs,
+                                  speculative=speculative)  # fmt: skip
                 blob = exp.serialize()
             else:
                 exp = jax.export.deserialize(bytearray(blob))
@@ -463,7 +474,8 @@ def export_artifact(
         score["files"][platform] = {"path": rel, "sha256": sha256(tmp / rel)}
         say(f"exported {platform} prompt_logprobs program in {time.perf_counter() - start:.1f} s")
 
-    slot_avals, _ = step_specs(cfg, spec, jdtype, params_tree, builder, buckets[0])
+    slot_avals, _ = step_specs(cfg, spec, jdtype, params_tree, builder, buckets[0],
+                               speculative=speculative)  # fmt: skip
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
