@@ -227,6 +227,24 @@ def test_dispatch_interpret_runs_the_tpu_kernel_and_auto_is_the_reference_on_cpu
         ssd_varlen(*args, **kwargs, return_chunk_states=True, state_chunks=cu[:2])
 
 
+def test_16_bit_dots_under_16_run_the_reference_on_gpu_and_the_kernel_refuses_them():
+    """Triton's 16-bit MMA needs tile edges of 16 (on an H100 the kernel compiled for a bf16
+    chunk and state of 8 and returned wrong values): "auto" on a GPU (`auto_gpu` here) runs
+    the reference for them, and the compiled GPU kernel refuses them by name."""
+    rng = np.random.default_rng(29)
+    lengths = [5, 11]
+    inp = _inputs(rng, lengths, heads=2, head_dim=16, groups=1, state=8, dtype=jnp.bfloat16)
+    cu = jnp.asarray(_cu(lengths))
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], cu)
+    kwargs = dict(chunk_size=CHUNK, dt_bias=inp["dt_bias"])
+    ref = SSD(*args, **kwargs, impl="ref")
+    auto_gpu = SSD(*args, **kwargs, impl="auto_gpu")  # the GPU kernel would not run on CPU
+    real = int(cu[-1])
+    np.testing.assert_array_equal(auto_gpu[0][:real], ref[0][:real])
+    with pytest.raises(ValueError, match="16-bit dots need chunk_size and state size >= 16"):
+        ssd_varlen(*args, **kwargs, impl="pallas_gpu")
+
+
 # A P-block state pass (16 head-dim rows a program) and one head an output program, lowered
 # to Triton on CPU beside the defaults.
 P_BLOCKS = GpuBlockSizes(state_block_p=16, out_heads=1)

@@ -434,6 +434,12 @@ def ssd_varlen_gpu(
     cols = _Columns(x.start, B.start, C.start, 0 if z is None else z.start)
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
+    if not interpret and x.dtype.itemsize == 2 and min(chunk_size, state_size) < MIN_DOT_DIM:
+        raise ValueError(
+            f"the Triton SSD kernel's 16-bit dots need chunk_size and state size >= "
+            f"{MIN_DOT_DIM}, got {chunk_size} and {state_size} in {x.dtype} (impl='auto' runs "
+            "the reference for these shapes)"
+        )
     num_seqs = cu_seqlens.shape[0] - 1
     bs = block_sizes or GpuBlockSizes.get_default(num_seqs, num_heads)
     for name, value in (
