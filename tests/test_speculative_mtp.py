@@ -1,11 +1,12 @@
-"""MTP speculative decoding (`jaxmamba.model.mtp`, docs/speculative.md): a Qwen3-Next
-checkpoint's `mtp.*` layer drafts inside the verify step.
+"""MTP speculative decoding (`jaxmamba.model.mtp`, docs/speculative.md): a Qwen3-Next or
+Qwen3.5 checkpoint's `mtp.*` layer drafts inside the verify step.
 
-The checkpoint is transformers' random Qwen3NextForCausalLM with `mtp.*` tensors added under
-vLLM's names (transformers drops them on load), its decoder layer taken from a one-layer
-full-attention Qwen3NextForCausalLM saved alike. The oracle of the head is that layer run by
-transformers (float32), with the fc, norms and concatenation order of vLLM's
-`qwen3_next_mtp.py` written out in float64 numpy."""
+The checkpoints are transformers' random Qwen3NextForCausalLM, Qwen3_5ForCausalLM and
+Qwen3_5MoeForConditionalGeneration with `mtp.*` tensors added under vLLM's names (transformers
+drops them on load), the decoder layer taken from a one-layer full-attention model of the
+same text class saved alike. The oracle of the head is that layer run by transformers
+(float32), with the fc, norms and concatenation order of vLLM's `qwen3_next_mtp.py` and
+`qwen3_5_mtp.py` (the same) written out in float64 numpy."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from jaxmamba import LLM, SamplingParams
+from jaxmamba import LLM
+from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.config import SpeculativeConfig
 from jaxmamba.model.families import load_config
 from jaxmamba.model.loader import load_hf_checkpoint
@@ -25,7 +27,12 @@ from jaxmamba.model.model import Mamba2HybridLM
 from jaxmamba.model.mtp import load_mtp
 from jaxmamba.model.step import build_metadata
 
-from hf_fixtures import GDN_LAYERS, make_qwen3_next_checkpoint, perturb_parameters
+from hf_fixtures import (
+    GDN_LAYERS,
+    make_qwen3_5_checkpoint,
+    make_qwen3_next_checkpoint,
+    perturb_parameters,
+)
 from model_helpers import builder, make_runner, row
 
 ENGINE = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16, page_size=16,
@@ -34,18 +41,26 @@ ENGINE = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16, page
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
-def _add_mtp(path, seed: int, *, agree: bool = False):
-    """Write `mtp.*` tensors into the checkpoint at `path` and num_nextn_predict_layers: 1.
-    `agree`: the target and the head both predict one token whatever the context (the
-    residual streams' dimension 0 dominates and the output norms keep only it, the lm_head
-    rows are multiples of one vector), so every draft is accepted."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def _layer_class(config: dict):
+    """transformers' text class of a checkpoint's config and its text config."""
+    import transformers as tf
 
+    text = config.get("text_config", config)
+    name = {"qwen3_next": "Qwen3Next", "qwen3_5_text": "Qwen3_5",
+            "qwen3_5_moe_text": "Qwen3_5Moe"}[text["model_type"]]  # fmt: skip
+    return getattr(tf, f"{name}Config"), getattr(tf, f"{name}ForCausalLM"), text
+
+
+def _add_mtp(path, seed: int):
+    """Write `mtp.*` tensors into the checkpoint at `path` and its MTP layer count
+    (`num_nextn_predict_layers`, or Qwen3.5's `mtp_num_hidden_layers`, in `text_config` for
+    the multimodal config)."""
     config = json.loads((path / "config.json").read_text())
-    one = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    config_cls, model_cls, text = _layer_class(config)
+    one = {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")}
     one.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
     torch.manual_seed(seed)
-    layer_model = Qwen3NextForCausalLM(Qwen3NextConfig(**one)).float().eval()
+    layer_model = model_cls(config_cls(**one)).float().eval()
     perturb_parameters(layer_model, seed)
     layer_dir = path / "mtp_layer"
     layer_model.save_pretrained(layer_dir)
@@ -54,21 +69,18 @@ def _add_mtp(path, seed: int, *, agree: bool = False):
         if name.startswith("model.layers.0."):
             tensors["mtp.layers.0." + name.removeprefix("model.layers.0.")] = x
     rng = np.random.default_rng(seed)
-    e = config["hidden_size"]
+    e = text["hidden_size"]
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         tensors[f"mtp.{norm}.weight"] = (0.2 * rng.standard_normal(e)).astype(np.float32)
     tensors["mtp.fc.weight"] = (rng.standard_normal((e, 2 * e)) / np.sqrt(2 * e)).astype(np.float32)
-    if agree:
-        only_first = np.full(e, -1.0, np.float32)  # zero-centred: scale 1 + w = e_0
-        only_first[0] = 0.0
-        tensors["model.embed_tokens.weight"][:, 0] = 60.0
-        tensors["model.norm.weight"] = only_first
-        tensors["mtp.norm.weight"] = only_first
-        tensors["mtp.fc.weight"][0, 0] = 40.0  # the normed embedding's dimension 0
-        tensors["lm_head.weight"] = np.outer(rng.standard_normal(config["vocab_size"]),
-                                             np.eye(e)[0]).astype(np.float32)  # fmt: skip
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    key = (
+        "num_nextn_predict_layers"
+        if text["model_type"] == "qwen3_next"
+        else "mtp_num_hidden_layers"
+    )
+    text[key] = 1
+    (path / "config.json").write_text(json.dumps(config))
     return layer_model, tensors
 
 
@@ -77,15 +89,6 @@ def checkpoint(tmp_path_factory):
     path, model = make_qwen3_next_checkpoint(tmp_path_factory.mktemp("mtp"), seed=0)
     layer_model, tensors = _add_mtp(path, seed=1)
     return path, model, layer_model, tensors
-
-
-@pytest.fixture(scope="module")
-def engines(checkpoint):
-    path = str(checkpoint[0])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAXMAMBA_SAMPLER_VARIANTS", "0")
-        return {"base": LLM(path, **ENGINE),
-                "mtp": LLM(path, speculative_config=MTP, **ENGINE)}  # fmt: skip
 
 
 def _rms64(x, w):
@@ -99,10 +102,11 @@ def _oracle_logits(checkpoint, prompt) -> np.ndarray:
     embedding of token t + 1, each RMS-normed (x̂·(1 + w)), concatenated [embedding |
     hidden], `fc`, transformers' decoder layer under a causal mask, `mtp.norm`, the lm_head."""
     _, model, layer_model, t = checkpoint
+    text = getattr(model.model, "language_model", model.model)  # a multimodal model's
     with torch.no_grad():
-        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0].double().numpy()
+        hidden = text(torch.tensor([prompt])).last_hidden_state[0].double().numpy()
     n = len(prompt) - 1
-    emb = t["model.embed_tokens.weight"][prompt[1:]]
+    emb = text.embed_tokens.weight.detach().numpy()[prompt[1:]]
     x = np.concatenate([_rms64(emb, t["mtp.pre_fc_norm_embedding.weight"]),
                         _rms64(hidden[:n], t["mtp.pre_fc_norm_hidden.weight"])], -1)  # fmt: skip
     x = x @ t["mtp.fc.weight"].astype(np.float64).T
@@ -120,6 +124,27 @@ def _oracle_logits(checkpoint, prompt) -> np.ndarray:
 
 
 def test_mtp_head_logits_match_vllms_computation_in_numpy_and_transformers(checkpoint):
+    _check_head_logits(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """Qwen3.5 dense (`Qwen3_5ForCausalLM`, `mtp_num_hidden_layers` at the top) and MoE as
+    published (`Qwen3_5MoeForConditionalGeneration`: the text model under
+    `model.language_model.`, the count in `text_config`, `mtp.*` at the top)."""
+    out = {}
+    for name, kw, seed in (("dense", {}, 5), ("moe", dict(moe=True, multimodal=True), 6)):
+        path, model = make_qwen3_5_checkpoint(tmp_path_factory.mktemp(name), seed=seed, **kw)
+        out[name] = (path, model, *_add_mtp(path, seed=seed + 1))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_qwen3_5_mtp_head_logits_match_vllms_computation(qwen3_5, kind):
+    _check_head_logits(qwen3_5[kind])
+
+
+def _check_head_logits(checkpoint):
     """The head over one prefill step's positions (the target's hidden states paired with the
     next tokens, the last one with a given token) against the oracle."""
     path = checkpoint[0]
@@ -128,7 +153,7 @@ def test_mtp_head_logits_match_vllms_computation_in_numpy_and_transformers(check
     spec, mtp_params = load_mtp(str(path), path, 2, cfg, jnp.float32)
     runner = make_runner(cfg, params)
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 23).tolist()
-    inputs = builder(runner).build([row(prompt[:-1], 0, 0)], _bucket(len(prompt) - 1))
+    inputs = builder(runner).build([row(prompt[:-1], 0, 0)], Bucket(len(prompt) - 1, 1, 0))
     target = Mamba2HybridLM(cfg, jnp.float32)
     meta = build_metadata(target, runner.cache_spec, inputs, 0)
     from jaxmamba.model.cache import init_cache
@@ -150,49 +175,11 @@ def test_mtp_head_logits_match_vllms_computation_in_numpy_and_transformers(check
     np.testing.assert_allclose(np.asarray(last[0]), np.asarray(g[len(prompt) - 2]), rtol=1e-6)
 
 
-def _bucket(num_tokens: int):
-    from jaxmamba.engine.batch import Bucket
-
-    return Bucket(num_tokens, 1, 0)
-
-
-rng = np.random.default_rng(0)
-LONG = rng.integers(0, 97, 90).tolist()
-PROMPTS = [rng.integers(0, 97, 9).tolist(), LONG]
-SHARED = LONG[:70] + rng.integers(0, 97, 12).tolist()  # a prefix-cache hit on LONG's pages
-
-
-def _greedy_runs(llm):
-    """A batch with chunked prefill and mixed steps, then a prompt hitting its cached prefix."""
-    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    first = llm.generate(None, greedy, prompt_token_ids=PROMPTS, use_tqdm=False)
-    second = llm.generate(None, greedy, prompt_token_ids=[SHARED], use_tqdm=False)
-    assert second[0].num_cached_tokens > 0
-    return [o.outputs[0].token_ids for o in first + second]
-
-
-def test_greedy_output_is_identical_with_mtp_drafts(engines):
-    llm = engines["mtp"]
-    assert _greedy_runs(llm) == _greedy_runs(engines["base"])
-    stats = llm.stats()
-    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
-
-
-def test_an_mtp_head_that_agrees_with_the_target_has_its_drafts_accepted(tmp_path):
-    """Target and head both predict the lm_head's likeliest constant token at every position
-    (`_add_mtp(agree=True)`), so greedy output is that token and every draft is kept."""
-    path, _ = make_qwen3_next_checkpoint(tmp_path, seed=2)
-    _, tensors = _add_mtp(path, seed=3, agree=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAXMAMBA_SAMPLER_VARIANTS", "0")
-        llm = LLM(str(path), speculative_config=MTP, **ENGINE)
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    out = llm.generate(None, greedy, prompt_token_ids=PROMPTS, use_tqdm=False)
-    token = int(np.argmax(tensors["lm_head.weight"][:, 0]))
-    assert [o.outputs[0].token_ids for o in out] == [[token] * 16] * 2
-    stats = llm.stats()
-    assert stats["spec_acceptance_rate"] == 1.0
-    assert stats["spec_verify_steps"] > 0 and stats["steps"] < 16
+def test_mtp_engines_are_refused_until_their_hang_is_understood(checkpoint):
+    """Engine steps with the MTP head hung now and then on CPU (every thread waiting on a
+    futex, not understood yet): `LLM` checks the checkpoint's MTP layer, then refuses."""
+    with pytest.raises(NotImplementedError, match="method 'mtp' is disabled for now"):
+        LLM(str(checkpoint[0]), speculative_config=MTP, **ENGINE)
 
 
 def test_mtp_is_refused_naming_a_model_without_mtp_layers(tmp_path):
@@ -212,3 +199,10 @@ def test_mtp_layers_of_an_unsupported_family_are_refused_by_name():
         mtp_layers({"model_type": "nemotron_h", "num_nextn_predict_layers": 1}, "m")
     with pytest.raises(ValueError, match="num_nextn_predict_layers=2; one MTP layer runs"):
         mtp_layers({"model_type": "qwen3_next", "num_nextn_predict_layers": 2}, "m")
+    text = {"model_type": "qwen3_5_moe_text", "mtp_num_hidden_layers": 1}
+    assert mtp_layers({"model_type": "qwen3_5_moe", "text_config": text}, "m") == 1
+    with pytest.raises(ValueError, match=r"m has no MTP layers \(mtp_num_hidden_layers=0\)"):
+        mtp_layers({"model_type": "qwen3_5_text"}, "m")
+    with pytest.raises(ValueError, match="mtp_use_dedicated_embeddings=true"):
+        mtp_layers({"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1,
+                    "mtp_use_dedicated_embeddings": True}, "m")  # fmt: skip

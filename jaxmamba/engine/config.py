@@ -77,7 +77,7 @@ class SpeculativeConfig:
     "draft_model" (`model`: a smaller checkpoint or preset sharing the target's tokenizer and
     vocabulary): the draft model's greedy continuation, run inside the verify step with its own
     per-slot state. "mtp": the target checkpoint's multi-token-prediction layer, run inside the
-    verify step with its own KV pages (Qwen3-Next; a model without one is refused by name).
+    verify step with its own KV pages (Qwen3-Next, Qwen3.5; a model without one is refused by name).
     `disable_by_batch_size`: a step with more decode rows than this does not speculate."""
 
     method: str = "ngram"

@@ -55,8 +55,13 @@ from jaxmamba.step_contract import CacheSpec, StepInputs
 if TYPE_CHECKING:  # the model code is imported on use (see `step.py`)
     from jaxmamba.model.model import Mamba2HybridLM, MtpHead
 
-# The config.json key that counts a family's MTP layers.
-MTP_LAYER_KEYS = {"qwen3_next": "num_nextn_predict_layers"}
+# The config.json key that counts a family's MTP layers (Qwen3.5's multimodal configs keep it
+# in `text_config`).
+MTP_LAYER_KEYS = {
+    "qwen3_next": "num_nextn_predict_layers",
+    **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"),
+                    "mtp_num_hidden_layers"),
+}  # fmt: skip
 
 
 class MtpSpec(NamedTuple):
@@ -92,6 +97,10 @@ def mtp_layers(hf_config: dict, model: str) -> int:
     if count != 1:
         raise ValueError(f"speculative_config method 'mtp': {model} has {key}={count}; one MTP "
                          "layer runs (the published checkpoints have one)")  # fmt: skip
+    if text.get("mtp_use_dedicated_embeddings"):
+        raise ValueError(f"speculative_config method 'mtp': {model} has "
+                         "mtp_use_dedicated_embeddings=true; the MTP layer runs on the target's "
+                         "embedding (false, as the published checkpoints have it)")  # fmt: skip
     return count
 
 

@@ -7,7 +7,9 @@ MoE after every mixer (`qwen3_5_moe_text`, top-k weights always renormalised). H
 The published checkpoints are multimodal (`qwen3_5`, `qwen3_5_moe`:
 `Qwen3_5ForConditionalGeneration`): we read their `text_config` and serve the text model,
 whose tensors live under `model.language_model.`; the loader skips the vision tower
-(`model.visual.*`).
+(`model.visual.*`). The MTP layer (`mtp.*`, `mtp_num_hidden_layers`) is named and built as
+Qwen3-Next's (`qwen3_next.mtp_param_map`; vLLM's `qwen3_5_mtp.py`): gated attention, then
+the model's dense MLP or MoE.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ TEXT = common.Family(
     param_map=param_map,
     base_prefixes=_BASE_PREFIXES,
     to_hf=text_to_hf,
+    mtp_param_map=qwen3_next.mtp_param_map,
 )
 MOE_TEXT = common.Family(
     model_type="qwen3_5_moe_text",
@@ -132,6 +135,7 @@ MOE_TEXT = common.Family(
     param_map=param_map,
     base_prefixes=_BASE_PREFIXES,
     to_hf=moe_text_to_hf,
+    mtp_param_map=qwen3_next.mtp_param_map,
 )
 # Config adapters only: they return the text model's ModelConfig (model_type qwen3_5_text or
 # qwen3_5_moe_text), which is what the loader and the model see.
