@@ -90,3 +90,18 @@ def assert_nothing_leaks(llm) -> None:
     assert scheduler.pages.num_free == scheduler.pages.capacity
     if cache is not None:
         assert cache.num_nodes == 0 and cache.num_checkpoints == 0
+
+
+def assert_same_token_distribution(a: np.ndarray, b: np.ndarray, positions) -> None:
+    """Two runs' sampled tokens ``[samples, tokens]`` follow one distribution at each of
+    `positions`: a chi-square test of homogeneity (tokens seen fewer than 10 times pooled)."""
+    from scipy import stats
+
+    for position in positions:
+        x, y = a[:, position], b[:, position]
+        table = np.array([[np.sum(x == c), np.sum(y == c)] for c in np.union1d(x, y)])
+        big = table.sum(1) >= 10  # pool the rare tokens
+        table = np.vstack([table[big], table[~big].sum(0)]) if (~big).any() else table[big]
+        table = table[table.sum(1) > 0]
+        if len(table) > 1:
+            assert stats.chi2_contingency(table).pvalue > 1e-4, (position, table)

@@ -20,7 +20,7 @@ from jaxmamba import LLM, SamplingParams
 from jaxmamba.engine.batch import Bucket
 from jaxmamba.engine.config import EngineConfig
 
-from model_helpers import FORBIDDEN, primitive_names
+from model_helpers import FORBIDDEN, assert_same_token_distribution, primitive_names
 
 TARGET = "nemotron-h-tiny"
 # Prompts longer than a step (chunked prefill), a short one that decodes beside a long one's
@@ -180,7 +180,6 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(engines):
     temperature 0.03 (the random model's logits are close together: its likeliest token has
     p of about 0.5 there) over 96 samples, the second to fourth tokens with and without the
     draft model pass a chi-square test of homogeneity (p > 1e-4; fixed seeds: deterministic)."""
-    from scipy import stats
 
     params = [SamplingParams(max_tokens=4, temperature=0.03, seed=s, n=4, ignore_eos=True)
               for s in range(24)]  # fmt: skip
@@ -193,15 +192,7 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(engines):
                                for c in o.outputs])  # fmt: skip
         if name == "self":
             assert llm.stats()["spec_accepted_tokens"] > before
-    for position in (1, 2, 3):
-        a, b = runs["base"][:, position], runs["self"][:, position]
-        cats = np.union1d(a, b)
-        table = np.array([[np.sum(a == c), np.sum(b == c)] for c in cats])
-        big = table.sum(1) >= 10  # pool the rare tokens
-        table = np.vstack([table[big], table[~big].sum(0)]) if (~big).any() else table[big]
-        table = table[table.sum(1) > 0]
-        if len(table) > 1:
-            assert stats.chi2_contingency(table).pvalue > 1e-4, (position, table)
+    assert_same_token_distribution(runs["base"], runs["self"], positions=(1, 2, 3))
 
 
 def test_draft_verify_programs_have_no_host_callback_nor_branch(engines):
