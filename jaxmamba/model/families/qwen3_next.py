@@ -273,12 +273,8 @@ def param_map_with(
             if kind == "gdn":
                 hm = f"{hf}.linear_attn"
                 plan += common.gdn_mixer(m, hm, cfg, in_proj(m, hm, cfg))
-            elif kind == "attention":
-                plan += common.gated_attention(m, f"{hf}.self_attn", cfg)
-            elif kind == "mlp":
-                plan += common.glu_mlp(m, f"{hf}.mlp", E, cfg.intermediate_size, False)
             else:
-                plan += common.softmax_moe(m, f"{hf}.mlp", cfg)
+                plan += _attention_or_ffn(m, hf, kind, cfg)
         plan.append(common.zero_centered_norm(("norm_f",), "norm", E))
         return plan + common.lm_head(cfg)
 
@@ -301,13 +297,17 @@ def mtp_param_map(cfg: ModelConfig) -> list[common.Entry]:
     )
     for (m, hf, hf_norm), kind in zip(layers, cfg.layer_types, strict=True):
         plan.append(common.zero_centered_norm((m[0], "norm"), hf_norm, E))
-        if kind == "attention":
-            plan += common.gated_attention(m, f"{hf}.self_attn", cfg)
-        elif kind == "mlp":
-            plan += common.glu_mlp(m, f"{hf}.mlp", E, cfg.intermediate_size, False)
-        else:
-            plan += common.softmax_moe(m, f"{hf}.mlp", cfg)
+        plan += _attention_or_ffn(m, hf, kind, cfg)
     return plan + [common.zero_centered_norm(("norm",), "mtp.norm", E)]
+
+
+def _attention_or_ffn(m, hf: str, kind: str, cfg: ModelConfig) -> list[common.Entry]:
+    """One block's gated attention, dense MLP or softmax MoE, under HF layer prefix `hf`."""
+    if kind == "attention":
+        return common.gated_attention(m, f"{hf}.self_attn", cfg)
+    if kind == "mlp":
+        return common.glu_mlp(m, f"{hf}.mlp", cfg.hidden_size, cfg.intermediate_size, False)
+    return common.softmax_moe(m, f"{hf}.mlp", cfg)
 
 
 FAMILY = common.Family(
