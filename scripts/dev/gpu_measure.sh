@@ -11,6 +11,7 @@
 # Parts:
 #   bisect   scripts/dev/gpu_kernel_bisect.py --quick, then --variants (bf16 vs HF bf16)
 #   tier     the GPU test tier (tests/gpu, 4 workers)
+#   family   the bf16-vs-HF family tests that failed on the GPU before the SSD small-dot fix
 #   quant    scripts/bench_quantized.py with a short budget
 #   llm8192  issue 33's row through `jaxmamba bench throughput`: the 9B, 128 prompts of
 #            1,024 tokens, 128 out, max_model_len 1216, 128 seqs, 8192 batched tokens, 64
@@ -44,6 +45,10 @@ for name in "$@"; do
             part bisect 200 "python3 scripts/dev/gpu_kernel_bisect.py --quick"
             part variants 80 "python3 scripts/dev/gpu_kernel_bisect.py --variants" ;;
         tier) part tier 150 "python3 -m pytest tests/gpu -n 4 -rs -q --durations=5 -p no:cacheprovider" ;;
+        family) part family 200 "python3 -m pytest -n 6 -q -rs -p no:cacheprovider -k bf16 \
+            tests/test_family_falcon_h1.py tests/test_family_bamba.py \
+            tests/test_family_granitemoehybrid.py tests/test_family_nemotron_h_moe.py \
+            tests/test_family_qwen3_5.py tests/test_family_qwen3_next.py" ;;
         quant) part quant 170 "python3 scripts/bench_quantized.py --budget-s 80" ;;
         llm8192) part llm8192 280 "$(llm_row 8192 64)" ;;
         llm4096) part llm4096 240 "$(llm_row 4096 32)" ;;
