@@ -7,12 +7,15 @@
    speculation pays off where the tokens a verify step emits on average exceed it.
 2. **End to end, one stream** (`--e2e`, the trained demo model): tokens/s of
    `LLM.generate` on code-editing prompts (a function, then the request to repeat it with a
-   change), greedy, with and without n-gram speculation for each k of `--e2e-ks`; the
-   acceptance rate and the mean tokens a verify step emitted. The greedy outputs are checked
-   token for token against the non-speculative run.
+   change), greedy, without speculation and with each method of `--e2e-methods` (n-gram
+   drafts; the demo's draft model `--e2e-draft`) for each k of `--e2e-ks`; the acceptance
+   rate and the mean tokens a verify step emitted. tok/s counts the whole request (prefill
+   included), decode tok/s the tokens after the first over the time after it. The greedy
+   outputs must equal the non-speculative run's token for token: the script exits with an
+   error if one does not.
 
     python scripts/bench_speculative.py --model nemotron-nano-9b-v2 --ks 1 2 3 4 5 6 7 8 \
-        --batches 1 32 128 --e2e --out $OUT/spec.json
+        --batches 1 32 128 --e2e --e2e-methods ngram draft_model --out $OUT/spec.json
 """
 
 from __future__ import annotations
@@ -129,20 +132,27 @@ def e2e_table(args) -> list[dict]:
                   max_num_batched_tokens=2048, dtype=args.e2e_dtype, precompile=True,
                   enable_prefix_caching=False)  # fmt: skip
     results, reference = [], None
-    for k in [0, *args.e2e_ks]:
-        spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k}
+    runs = [(None, 0)] + [(method, k) for method in args.e2e_methods for k in args.e2e_ks]
+    for method, k in runs:
+        spec = None if method is None else {"method": method, "num_speculative_tokens": k}
+        if method == "draft_model":
+            spec["model"] = args.e2e_draft
         llm = LLM(args.e2e_model, speculative_config=spec, **engine)
         llm.generate(["def f(x):\n    return x\n"], SamplingParams(max_tokens=8),
                      use_tqdm=False)  # warm up  # fmt: skip
-        tokens, seconds, outputs = 0, 0.0, []
+        tokens, seconds, decode_tokens, decode_seconds, outputs = 0, 0.0, 0, 0.0, []
         for prompt in prompts:  # one stream: one request at a time
             start = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            request = llm.generate([prompt], params, use_tqdm=False)[0]
             seconds += time.perf_counter() - start
+            out = request.outputs[0]
             tokens += len(out.token_ids)
+            decode_tokens += len(out.token_ids) - 1
+            decode_seconds += request.metrics["decode_s_per_token"] * (len(out.token_ids) - 1)
             outputs.append(out.token_ids)
         stats = llm.stats()
-        row = {"k": k, "tok_per_s": tokens / seconds,
+        row = {"method": method or "off", "k": k, "tok_per_s": tokens / seconds,
+               "decode_tok_per_s": decode_tokens / decode_seconds,
                "acceptance": stats.get("spec_acceptance_rate"),
                "tokens_per_verify": (stats.get("spec_accepted_tokens", 0)
                                      + stats.get("spec_verify_steps", 0))
@@ -152,14 +162,18 @@ def e2e_table(args) -> list[dict]:
         results.append(row)
         print(json.dumps(row), flush=True)
         del llm
-    base = results[0]["tok_per_s"]
-    print(f"\n{args.e2e_model}: one stream, {len(prompts)} code-editing prompts, "
+    base, base_decode = results[0]["tok_per_s"], results[0]["decode_tok_per_s"]
+    draft = f", draft {args.e2e_draft}" if "draft_model" in args.e2e_methods else ""
+    print(f"\n{args.e2e_model}{draft}: one stream, {len(prompts)} code-editing prompts, "
           f"{args.max_tokens} tokens each, greedy")  # fmt: skip
-    print("| k | tok/s | speed-up | acceptance | tokens/verify step | identical |")
-    print("|---|---|---|---|---|---|")
+    print("| method | k | tok/s | speed-up | decode tok/s | speed-up | acceptance "
+          "| tokens/verify step | identical |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        print(f"| {r['k'] or 'off'} | {r['tok_per_s']:.1f} | {r['tok_per_s'] / base:.2f}x | {acc} "
+        print(f"| {r['method']} | {r['k'] or '-'} | {r['tok_per_s']:.1f} "
+              f"| {r['tok_per_s'] / base:.2f}x | {r['decode_tok_per_s']:.1f} "
+              f"| {r['decode_tok_per_s'] / base_decode:.2f}x | {acc} "
               f"| {r['tokens_per_verify']:.2f} | {r['identical']} |")  # fmt: skip
     return results
 
@@ -178,6 +192,10 @@ def main() -> None:
     p.add_argument("--e2e", action="store_true", help="also the end-to-end single-stream table")
     p.add_argument("--e2e-model", default="nemotron-h-demo")
     p.add_argument("--e2e-dtype", default="auto")
+    p.add_argument("--e2e-methods", nargs="+", default=["ngram"], choices=("ngram", "draft_model"),
+                   help="the speculative methods of --e2e")  # fmt: skip
+    p.add_argument("--e2e-draft", default="nemotron-h-demo-draft",
+                   help="method draft_model's draft: a preset or checkpoint directory")  # fmt: skip
     p.add_argument("--e2e-ks", type=int, nargs="+", default=[2, 4, 6, 8])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-chars", type=int, default=1200)
@@ -191,6 +209,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    differ = [(r["method"], r["k"]) for r in out.get("e2e", []) if not r["identical"]]
+    if differ:
+        raise SystemExit(f"greedy outputs differ from the non-speculative run's: {differ}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python scripts/train_demo.py                          # the shipped run: ~5 min on one H200
     python scripts/train_demo.py --smoke --out /tmp/demo  # a toy model, 3 steps, ~15 s on CPU
+    python scripts/train_demo.py --draft                  # its draft model (speculative decoding)
 
 On the GPU machine, `python3 -m pip install --no-deps --no-build-isolation -e .` first.
 
@@ -13,6 +14,12 @@ file is held out. Each file is `<s> bytes </s>`; a training row is a window of t
 concatenated training files at an offset drawn from the seed, so a run is reproducible from
 `--seed` (init and data order). The output directory holds config.json, model.safetensors
 (matrices bf16), tokenizer.json, tokenizer_config.json and README.md.
+
+`--draft` trains `configs/nemotron-h-demo-draft/` instead: a much smaller model on the same
+tokenizer, data, split and loop, for `speculative_config={"method": "draft_model", "model":
+"nemotron-h-demo-draft"}` with the demo model as the target. Besides its own held-out bits per
+byte it scores its top-1 agreement with the target on the held-out windows (the share of
+positions where both argmaxes agree: a greedy draft's acceptance rate on that text).
 """
 
 from __future__ import annotations
@@ -36,10 +43,12 @@ import optax
 from jaxmamba.config import ModelConfig
 from jaxmamba.engine.batch import Bucket, RowSpec, StepBuilder
 from jaxmamba.model.cache import CacheSpec, init_cache
+from jaxmamba.model.families import load_config
 from jaxmamba.model.loader import checkpoint_param_shapes, save_hf_checkpoint
 from jaxmamba.model.metadata import ForwardMetadata
 from jaxmamba.model.model import Mamba2HybridLM
 from jaxmamba.model.params import init_params
+from jaxmamba.model.weights import load_params
 
 BOS, EOS, PAD = 256, 257, 258
 HELD_OUT_EVERY = 20
@@ -72,6 +81,15 @@ SMOKE_CONFIG = _nemotron_h(
     hidden_size=32, mamba_num_heads=2, mamba_head_dim=16, n_groups=1, ssm_state_size=8,
     chunk_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
     intermediate_size=32,
+)  # fmt: skip
+# The draft proposes k tokens with k + 1 forwards of itself per verify step, so what counts is
+# its cost per forward against the target's: 3 layers against 12 (one Mamba2 layer to carry
+# the recent bytes, one attention layer to look back, one MLP), at half the width.
+DRAFT_CONFIG = _nemotron_h(
+    "nemotron-h-demo-draft", "M*-",
+    hidden_size=128, mamba_num_heads=4, mamba_head_dim=64, n_groups=1, ssm_state_size=32,
+    chunk_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+    intermediate_size=384,
 )  # fmt: skip
 
 
@@ -199,6 +217,19 @@ def make_optimizer(steps: int, lr: float, warmup: int) -> optax.GradientTransfor
     )
 
 
+def sum_over_windows(fn, tokens: np.ndarray, mask: np.ndarray, batch: int) -> float:
+    """The sum of `fn(tokens i32[b, L+1], mask bool[b, L]) -> f32[]` over the windows,
+    `batch` at a time."""
+    total = 0.0
+    for i in range(0, len(tokens), batch):
+        t, m = tokens[i : i + batch], mask[i : i + batch]
+        if len(t) < batch:  # pad the last batch with masked windows (one shape, one compile)
+            t = np.concatenate([t, np.full((batch - len(t), t.shape[1]), PAD, np.int32)])
+            m = np.concatenate([m, np.zeros((batch - len(m), m.shape[1]), bool)])
+        total += float(fn(t, m))
+    return total
+
+
 def held_out_bpb(logits_fn, params, tokens: np.ndarray, mask: np.ndarray, batch: int) -> float:
     """Bits per byte over the byte targets of the held-out windows."""
 
@@ -207,14 +238,23 @@ def held_out_bpb(logits_fn, params, tokens: np.ndarray, mask: np.ndarray, batch:
         ce = cross_entropy(logits_fn(params, tokens[:, :-1]), tokens[:, 1:])
         return jnp.sum(jnp.where(mask, ce, 0.0))
 
-    total = 0.0
-    for i in range(0, len(tokens), batch):
-        t, m = tokens[i : i + batch], mask[i : i + batch]
-        if len(t) < batch:  # pad the last batch with masked windows (one shape, one compile)
-            t = np.concatenate([t, np.full((batch - len(t), t.shape[1]), PAD, np.int32)])
-            m = np.concatenate([m, np.zeros((batch - len(m), m.shape[1]), bool)])
-        total += float(nats(params, t, m))
+    total = sum_over_windows(lambda t, m: nats(params, t, m), tokens, mask, batch)
     return total / math.log(2) / max(int(mask.sum()), 1)
+
+
+def held_out_agreement(draft_fn, draft_params, target_fn, target_params, tokens: np.ndarray,
+                       mask: np.ndarray, batch: int) -> float:  # fmt: skip
+    """The share of byte-target positions of the held-out windows where the draft's argmax is
+    the target's: what a greedy draft's acceptance would be on that text."""
+
+    @jax.jit
+    def agree(draft_params, target_params, tokens, mask):
+        draft = jnp.argmax(draft_fn(draft_params, tokens[:, :-1]), axis=-1)
+        target = jnp.argmax(target_fn(target_params, tokens[:, :-1]), axis=-1)
+        return jnp.sum(mask & (draft == target))
+
+    fn = lambda t, m: agree(draft_params, target_params, t, m)  # noqa: E731
+    return sum_over_windows(fn, tokens, mask, batch) / max(int(mask.sum()), 1)
 
 
 def stored_params(params, cfg: ModelConfig):
@@ -285,13 +325,24 @@ def _byte_level_char(b: int) -> str:
     return chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 
-README = """\
+README_TITLE = """\
 # nemotron-h-demo
 
 A small Nemotron-H hybrid (Mamba2 + attention + MLP layers, {params:,} parameters) with a
 byte-level vocabulary, trained by `scripts/train_demo.py` so that `jaxmamba generate` prints
 readable text out of the box. It writes Python-like code and knows nothing else.
+"""
+DRAFT_README_TITLE = """\
+# nemotron-h-demo-draft
 
+The draft model of `nemotron-h-demo` for speculative decoding: a much smaller Nemotron-H hybrid
+({params:,} parameters) on the same byte vocabulary and tokenizer, trained by
+`scripts/train_demo.py --draft` on the same data, split and schedule.
+
+    LLM("nemotron-h-demo", speculative_config={{"method": "draft_model",
+        "model": "nemotron-h-demo-draft", "num_speculative_tokens": 4}})
+"""
+README = """
 * Layers ({layers}): `{pattern}` (M Mamba2, * attention, - MLP); hidden {hidden}; Mamba2
   {mamba_heads} heads x {mamba_head_dim}, state {state}, groups {groups}, chunk {chunk};
   attention {q_heads} query / {kv_heads} KV heads x {head_dim}; MLP {mlp} (relu²).
@@ -307,7 +358,7 @@ readable text out of the box. It writes Python-like code and knows nothing else.
 * Training: {steps} steps of {batch} x {seq_len} tokens, AdamW (peak lr {lr}), seed {seed};
   {wall:.0f} s of training (compile included) on {machine}, {date}.
 * Held-out loss: **{bpb:.3f} bits per byte** (the weights as stored here, float32 compute).
-
+{agreement_line}
 Retrain (writes this directory again; the data are the standard library of the Python that
 runs it, so the same files need the same Python build):
 
@@ -315,17 +366,25 @@ runs it, so the same files need the same Python build):
 """
 
 
+AGREEMENT_LINE = """\
+* Top-1 agreement with `{target}` on the held-out windows: **{agreement:.1%}** of byte
+  positions (both models as stored, float32 compute): a greedy draft's acceptance on that text.
+"""
+
+
 def write_readme(out: Path, info: dict) -> None:
-    cfg = DEMO_CONFIG if info["config"] == DEMO_CONFIG.name else SMOKE_CONFIG
+    cfg = {c.name: c for c in (DEMO_CONFIG, SMOKE_CONFIG, DRAFT_CONFIG)}[info["config"]]
     letters = {"mamba": "M", "attention": "*", "mlp": "-"}
-    text = README.format(
+    title = (DRAFT_README_TITLE if cfg is DRAFT_CONFIG else README_TITLE).format(**info)
+    agreement = AGREEMENT_LINE.format(**info) if info.get("agreement") is not None else ""
+    text = title + README.format(
         layers=cfg.num_layers,
         pattern="".join(letters[t] for t in cfg.layer_types), hidden=cfg.hidden_size,
         mamba_heads=cfg.mamba_num_heads, mamba_head_dim=cfg.mamba_head_dim,
         state=cfg.ssm_state_size, groups=cfg.n_groups, chunk=cfg.chunk_size,
         q_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, mlp=cfg.intermediate_size, last=cfg.vocab_size - 1,
-        every=HELD_OUT_EVERY, **info,
+        every=HELD_OUT_EVERY, agreement_line=agreement, **info,
     )  # fmt: skip
     (out / "README.md").write_text(text)
 
@@ -336,7 +395,8 @@ def write_readme(out: Path, info: dict) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="configs/nemotron-h-demo", help="output directory")
+    p.add_argument("--out", default=None, help="output directory (default: configs/"
+                   f"{DEMO_CONFIG.name}, with --draft configs/{DRAFT_CONFIG.name})")  # fmt: skip
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=128, help="rows per step")
     p.add_argument("--seq-len", type=int, default=512)
@@ -351,35 +411,45 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="score only the first N held-out windows (default: all)")  # fmt: skip
     p.add_argument("--source", type=Path, default=None,
                    help="folder of *.py files (default: the standard library)")  # fmt: skip
+    p.add_argument("--draft", action="store_true",
+                   help=f"train the draft model {DRAFT_CONFIG.name} of {DEMO_CONFIG.name} "
+                        "(speculative decoding)")  # fmt: skip
     p.add_argument("--smoke", action="store_true",
-                   help="a toy model, 3 steps of 4 x 64 tokens: the script end to end")  # fmt: skip
+                   help="a toy model (with --draft: the draft's own), 3 steps of 4 x 64 tokens: "
+                        "the script end to end")  # fmt: skip
     p.add_argument("--no-samples", action="store_true", help="skip the greedy samples at the end")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.batch_size, args.seq_len = min(args.steps, 3), 4, 64
         args.eval_batch, args.log_every, args.warmup = 4, 1, 1
         args.eval_windows = args.eval_windows or 8
+    args.out = args.out or f"configs/{(DRAFT_CONFIG if args.draft else DEMO_CONFIG).name}"
     return args
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    if args.draft:
+        return DRAFT_CONFIG  # small enough to run as it is in a smoke run
+    return SMOKE_CONFIG if args.smoke else DEMO_CONFIG
 
 
 def retrain_command(args: argparse.Namespace) -> str:
     """The command line that trains the same weights: the flags that differ from the
     defaults, leaving out those that change only what is printed."""
-    defaults = parse_args(["--smoke"] if args.smoke else [])
+    modes = [f"--{m}" for m in ("draft", "smoke") if getattr(args, m)]
+    defaults = parse_args(modes)
     words = ["python", "scripts/train_demo.py"]
     for name, value in vars(args).items():
         if name in ("log_every", "no_samples", "eval_batch") or value == getattr(defaults, name):
             continue
         flag = "--" + name.replace("_", "-")
         words += [flag] if value is True else [flag, str(value)]
-    if args.smoke:
-        words.append("--smoke")
-    return " ".join(words)
+    return " ".join(words + modes)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = SMOKE_CONFIG if args.smoke else DEMO_CONFIG
+    cfg = model_config(args)
     out = Path(args.out)
     root = args.source or stdlib_dir()
     files = source_files(root)
@@ -426,6 +496,14 @@ def main(argv=None) -> int:
     tokens, mask = tokens[: args.eval_windows], mask[: args.eval_windows]
     bpb = held_out_bpb(eval_fn, shipped, tokens, mask, args.eval_batch)
     print(f"held-out: {bpb:.4f} bits per byte over {int(mask.sum()):,} bytes", flush=True)
+    agreement = None
+    if args.draft:
+        target_cfg = load_config(DEMO_CONFIG.name)
+        target = load_params(DEMO_CONFIG.name, target_cfg, jnp.float32, 0)
+        target_fn = make_logits_fn(target_cfg, args.seq_len, jnp.float32)
+        agreement = held_out_agreement(eval_fn, shipped, target_fn, target, tokens, mask,
+                                       args.eval_batch)  # fmt: skip
+        print(f"held-out: top-1 agreement with {DEMO_CONFIG.name} {agreement:.1%}", flush=True)
 
     save_hf_checkpoint(jax.device_get(shipped), cfg, out)
     write_tokenizer(out, cfg)
@@ -436,6 +514,7 @@ def main(argv=None) -> int:
         held_mb=sum(f.stat().st_size for f in held_files) / 1e6,
         steps=args.steps, batch=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         seed=args.seed, wall=wall, bpb=bpb, command=retrain_command(args),
+        target=DEMO_CONFIG.name if args.draft else None, agreement=agreement,
         machine=f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
         date=datetime.date.today().isoformat(),
     )  # fmt: skip
@@ -443,13 +522,39 @@ def main(argv=None) -> int:
     print("wrote", out, json.dumps(info), flush=True)
 
     if not args.no_samples:
-        from jaxmamba import LLM, SamplingParams
-
-        llm = LLM(str(out), max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64)
-        outs = llm.generate(list(SAMPLE_PROMPTS), SamplingParams(temperature=0, max_tokens=64))
-        for prompt, o in zip(SAMPLE_PROMPTS, outs, strict=True):
-            print(f"--- greedy sample: {prompt!r}\n{prompt}{o.outputs[0].text}", flush=True)
+        (speculative_samples if args.draft else greedy_samples)(out)
     return 0
+
+
+SAMPLE_ENGINE = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64)
+
+
+def greedy_samples(out: Path) -> None:
+    from jaxmamba import LLM, SamplingParams
+
+    llm = LLM(str(out), **SAMPLE_ENGINE)
+    outs = llm.generate(list(SAMPLE_PROMPTS), SamplingParams(temperature=0, max_tokens=64))
+    for prompt, o in zip(SAMPLE_PROMPTS, outs, strict=True):
+        print(f"--- greedy sample: {prompt!r}\n{prompt}{o.outputs[0].text}", flush=True)
+
+
+def speculative_samples(out: Path, k: int = 4) -> None:
+    """The target's greedy samples without and with the draft at `out`: the same text, and
+    the draft's acceptance on it."""
+    from jaxmamba import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=64)
+    spec = {"method": "draft_model", "model": str(out), "num_speculative_tokens": k}
+    plain = LLM(DEMO_CONFIG.name, **SAMPLE_ENGINE).generate(list(SAMPLE_PROMPTS), greedy)
+    llm = LLM(DEMO_CONFIG.name, speculative_config=spec, **SAMPLE_ENGINE)
+    drafted = llm.generate(list(SAMPLE_PROMPTS), greedy)
+    for prompt, a, b in zip(SAMPLE_PROMPTS, plain, drafted, strict=True):
+        same = a.outputs[0].token_ids == b.outputs[0].token_ids
+        print(f"--- greedy sample with the draft (k={k}), identical to the target alone: {same}"
+              f"\n{prompt}{b.outputs[0].text}", flush=True)  # fmt: skip
+    stats = llm.stats()
+    print(f"acceptance {stats['spec_acceptance_rate']:.3f} over {stats['spec_verify_steps']} "
+          "verify steps", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -100,12 +100,18 @@ def test_source_files_skip_test_suites_and_hold_out_every_20th(tmp_path):
     assert sorted(train + held) == names
 
 
-def test_train_demo_smoke_writes_a_checkpoint_the_engine_loads(tmp_path):
-    demo = load_train_demo()
+def toy_source(tmp_path: Path) -> Path:
+    """20 small Python files: one held out."""
     source = tmp_path / "src"
     source.mkdir()
     for i in range(20):
         (source / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 8)
+    return source
+
+
+def test_train_demo_smoke_writes_a_checkpoint_the_engine_loads(tmp_path):
+    demo = load_train_demo()
+    source = toy_source(tmp_path)
     out = tmp_path / "ckpt"
     assert demo.main(["--smoke", "--out", str(out), "--source", str(source), "--no-samples"]) == 0
     readme = (out / "README.md").read_text()
@@ -113,6 +119,26 @@ def test_train_demo_smoke_writes_a_checkpoint_the_engine_loads(tmp_path):
     llm = LLM(str(out), max_num_seqs=1, max_model_len=64, max_num_batched_tokens=16)
     assert llm.model_cfg.layer_types == demo.SMOKE_CONFIG.layer_types
     assert llm.tokenizer.encode("é") == [256, 0xC3, 0xA9]
+
+
+def test_train_demo_draft_smoke_serves_as_the_demo_models_draft_with_identical_greedy_output(
+    tmp_path, llm
+):
+    demo = load_train_demo()
+    out = tmp_path / "draft"
+    argv = ["--draft", "--smoke", "--out", str(out), "--source", str(toy_source(tmp_path))]
+    assert demo.main([*argv, "--no-samples"]) == 0
+    readme = (out / "README.md").read_text()
+    assert "--draft --smoke" in readme and "agreement with `nemotron-h-demo`" in readme
+    spec = {"method": "draft_model", "model": str(out), "num_speculative_tokens": 3}
+    drafted = LLM(DEMO, speculative_config=spec, max_num_seqs=2, max_model_len=256,
+                  max_num_batched_tokens=64)  # fmt: skip
+    assert drafted.runner.speculative.model.cfg.layer_types == demo.DRAFT_CONFIG.layer_types
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    (want,) = llm.generate(["def main("], greedy, use_tqdm=False)
+    (got,) = drafted.generate(["def main("], greedy, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert drafted.stats()["spec_verify_steps"] > 0
 
 
 CONVERSATION = [
