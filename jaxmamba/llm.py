@@ -600,15 +600,9 @@ def load_draft(cfg: EngineConfig, target: ModelConfig, dtype, run: RunConfig,
         from jaxmamba.config import checkpoint_dir
         from jaxmamba.model.mtp import load_mtp
 
-        # The checkpoint's MTP layer is checked and loads; then:
-        load_mtp(model, checkpoint_dir(model), sc.num_speculative_tokens, target, dtype, run.impl)
-        # The MTP head's engine steps hung now and then in tests on CPU (every thread waiting,
-        # not understood yet): refused until that is found, rather than risk a stuck server.
-        raise NotImplementedError(
-            f"speculative_config method 'mtp' is disabled for now: {model}'s MTP layer loads, "
-            "but steps with it hung intermittently in testing (docs/speculative.md); use "
-            "'ngram' or 'draft_model'"
-        )
+        spec, params = load_mtp(model, checkpoint_dir(model), sc.num_speculative_tokens, target,
+                                dtype, run.impl)  # fmt: skip
+        return Draft(spec, params)
     if sc is None or sc.method != "draft_model":
         return None
     from jaxmamba.model.draft import draft_spec

@@ -62,6 +62,7 @@ from jaxmamba.model.step import (
     jitted_logits,
     jitted_score,
     jitted_step,
+    jitted_step_without_cpu_fusion_emitters,
     logits_fn,
     score_fn,
     step_fn,
@@ -530,6 +531,8 @@ class ModelRunner(StepRunner):
                                                        speculative))  # fmt: skip
             self._static = dict(model=self.model, spec=cache_spec)
             self._jit_step, self._jit_logits = jitted_step, jitted_logits
+            if isinstance(speculative, MtpSpec) and jax.default_backend() == "cpu":
+                self._jit_step = jitted_step_without_cpu_fusion_emitters
             self._jit_score, self._jit_fork = jitted_score, jitted_fork
             state_sharding = None  # the arrays `_new_state` makes are not committed
         else:

@@ -354,6 +354,16 @@ jitted_step = jax.jit(
     static_argnames=("model", "spec", "num_decode", "sampler", "speculative"),
     donate_argnames=("cache", "slot_state"),
 )
+# The same step for an MTP runner on XLA:CPU, compiled without XLA:CPU's fusion emitters:
+# with them, a verify step of the MTP head now and then never finished on CPU (every thread
+# idle, the step's output never ready; docs/speculative.md). Off, 300 runs in a row of the
+# program that hung finished (`scripts/dev/mtp_cpu_hang.py`). The option is CPU-only.
+jitted_step_without_cpu_fusion_emitters = jax.jit(
+    step_fn,
+    static_argnames=("model", "spec", "num_decode", "sampler", "speculative"),
+    donate_argnames=("cache", "slot_state"),
+    compiler_options={"xla_cpu_use_fusion_emitters": False},
+)
 jitted_logits = jax.jit(
     logits_fn, static_argnames=("model", "spec", "num_decode"), donate_argnames=("cache",)
 )
