@@ -98,18 +98,20 @@ def cmd_bench(args) -> int:
     ssm_dtype = ssm_cache_dtype(args.mamba_ssm_cache_dtype)
     cfg = load_config(args.model)
     dtype = DTYPES[resolve_dtype(args.dtype, args.model)]
-    params = load_params(args.model, cfg, dtype, args.seed)
+    params = load_params(args.model, cfg, dtype, args.seed, args.quantization)
     results = []
     for batch in args.batch_size:
         for input_len in args.input_len:
             print(
                 f"bench {cfg.name or args.model}: batch {batch}, input {input_len}, "
                 f"output {args.output_len}, {jnp.dtype(dtype).name}, impl={args.impl}, "
-                f"small_m_impl={args.small_m_impl}, state {ssm_dtype}"
+                f"small_m_impl={args.small_m_impl}, state {ssm_dtype}, "
+                f"quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype}"
             )
             results += bench_one_batch(
                 cfg, params, batch=batch, input_len=input_len, output_len=args.output_len,
                 dtype=dtype, impl=args.impl, small_m_impl=args.small_m_impl, ssm_dtype=ssm_dtype,
+                kv_dtype=args.kv_cache_dtype,
             )  # fmt: skip
     print(format_results(results))
     return 0
@@ -300,8 +302,8 @@ def _add_bench_one_batch_parser(benches) -> None:
         "bench_one_batch, with MFU and the fraction of the HBM roofline.",
     )
     add_model_arg(p)
-    add_setting_args(p, RunConfig, ("dtype", "seed", "impl"))
-    add_setting_args(p, EngineConfig, ("mamba_ssm_cache_dtype",))
+    add_setting_args(p, RunConfig, ("dtype", "seed", "impl", "quantization"))
+    add_setting_args(p, EngineConfig, ("mamba_ssm_cache_dtype", "kv_cache_dtype"))
     p.add_argument(
         "--batch-size",
         type=positive_int,

@@ -12,6 +12,7 @@ import json
 import re
 
 import httpx
+import jax
 import jax.numpy as jnp
 import jinja2
 import pytest
@@ -71,6 +72,20 @@ def test_bench_without_a_subcommand_is_bench_one_batch(monkeypatch):
     assert main(["bench", *flags]) == main(["bench", "one-batch", *flags]) == 0
     assert len(seen) == 2 and seen[0] == seen[1]
     assert (seen[0]["batch"], seen[0]["input_len"], seen[0]["output_len"]) == (3, 5, 2)
+
+
+def test_bench_one_batch_quantizes_the_weights_and_the_kv_cache_it_is_asked_to(monkeypatch):
+    seen = []
+    monkeypatch.setattr(jaxmamba.bench, "bench_one_batch",
+                        lambda cfg, params, **kw: seen.append((params, kw)) or [])  # fmt: skip
+    flags = ["--model", TINY, "--batch-size", "1", "--input-len", "4", "--output-len", "2"]
+    assert main(["bench", "one-batch", *flags]) == 0
+    assert main(["bench", "one-batch", *flags, "--quantization", "fp8",
+                 "--kv-cache-dtype", "fp8"]) == 0  # fmt: skip
+    (plain, plain_kw), (fp8, fp8_kw) = seen
+    dtypes = [{str(x.dtype) for x in jax.tree.leaves(p)} for p in (plain, fp8)]
+    assert "float8_e4m3fn" in dtypes[1] and "float8_e4m3fn" not in dtypes[0]
+    assert (plain_kw["kv_dtype"], fp8_kw["kv_dtype"]) == ("auto", "fp8")
 
 
 def test_bench_throughput_prints_and_writes_vllms_figures_of_its_requests(
