@@ -1,12 +1,13 @@
-"""MTP speculative decoding (`jaxmamba.model.mtp`, docs/speculative.md): a Qwen3-Next or
-Qwen3.5 checkpoint's `mtp.*` layer drafts inside the verify step.
+"""MTP speculative decoding (`jaxmamba.model.mtp`, docs/speculative.md): a Qwen3-Next,
+Qwen3.5 or Nemotron-H checkpoint's `mtp.*` layer drafts inside the verify step.
 
-The checkpoints are transformers' random Qwen3NextForCausalLM, Qwen3_5ForCausalLM and
-Qwen3_5MoeForConditionalGeneration with `mtp.*` tensors added under vLLM's names (transformers
-drops them on load), the decoder layer taken from a one-layer full-attention model of the
-same text class saved alike. The oracle of the head is that layer run by transformers
-(float32), with the fc, norms and concatenation order of vLLM's `qwen3_next_mtp.py` and
-`qwen3_5_mtp.py` (the same) written out in float64 numpy."""
+The checkpoints are transformers' random Qwen3NextForCausalLM, Qwen3_5ForCausalLM,
+Qwen3_5MoeForConditionalGeneration and NemotronHForCausalLM with `mtp.*` tensors added under
+vLLM's names (transformers drops them on load), the decoder layers taken from a model of the
+same class with the MTP layer's layers, saved alike. The oracle of the head is those layers
+run by transformers (float32), with the fc, norms and concatenation order of vLLM's
+`qwen3_next_mtp.py` and `qwen3_5_mtp.py` (the same), or of its `nemotron_h_mtp.py`, written
+out in float64 numpy."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ from jaxmamba.model import step
 from jaxmamba.model.families import load_config
 from jaxmamba.model.loader import load_hf_checkpoint
 from jaxmamba.model.model import Mamba2HybridLM
-from jaxmamba.model.mtp import load_mtp
+from jaxmamba.model.mtp import load_mtp, mtp_config, mtp_layers
 from jaxmamba.model.step import build_metadata
 
 from hf_fixtures import (
     GDN_LAYERS,
+    make_nemotron_h_checkpoint,
     make_qwen3_5_checkpoint,
     make_qwen3_next_checkpoint,
     perturb_parameters,
@@ -159,7 +161,7 @@ def test_qwen3_5_mtp_head_logits_match_vllms_computation(qwen3_5, kind):
     _check_head_logits(qwen3_5[kind])
 
 
-def _check_head_logits(checkpoint):
+def _check_head_logits(checkpoint, oracle=_oracle_logits):
     """The head over one prefill step's positions (the target's hidden states paired with the
     next tokens, the last one with a given token) against the oracle."""
     path = checkpoint[0]
@@ -181,13 +183,105 @@ def _check_head_logits(checkpoint):
     g, _ = spec.model.apply({"params": mtp_params},
                             params["embed"]["embedding"][next_ids], hidden, kv, meta)  # fmt: skip
     ours = np.asarray(target.apply({"params": params}, g, method="logits"))[: len(prompt) - 1]
-    ref = _oracle_logits(checkpoint, prompt)
+    ref = oracle(checkpoint, prompt)
     scale = max(1.0, float(np.abs(ref).max()))
     assert float(np.abs(ours - ref).max()) <= 1e-4 * scale
     # `advance_mtp` keeps the row's output at its last position for its first draft.
     _, last = advance_mtp(spec, mtp_params, params, kv, last, hidden, next_ids, meta,
                           inputs.state_slots, meta.last_token_index)  # fmt: skip
     np.testing.assert_allclose(np.asarray(last[0]), np.asarray(g[len(prompt) - 2]), rtol=1e-6)
+
+
+# Nemotron-H: Mamba, attention, MoE and MLP layers; the MTP layer's blocks from
+# `mtp_hybrid_override_pattern` ("*E" as NVIDIA publishes it: attention, then MoE).
+NEMOTRON_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                    moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1,
+                    routed_scaling_factor=2.5)  # fmt: skip
+
+
+def _nemotron_h_with_mtp(path, pattern: str, seed: int):
+    """A random Nemotron-H checkpoint with an MTP layer under NVIDIA's and vLLM's names: the
+    blocks of `pattern` as `mtp.layers.{i}.{norm,mixer.*}` (from a NemotronHForCausalLM of
+    those blocks, saved alike), `enorm`, `hnorm` and `eh_proj` in the first block,
+    `final_layernorm` in the last; config `num_nextn_predict_layers` and
+    `mtp_hybrid_override_pattern`. Returns (path, target, layer model, tensors)."""
+    path, model = make_nemotron_h_checkpoint(path / "target", pattern="M*E-M", seed=seed,
+                                             **NEMOTRON_MOE)  # fmt: skip
+    _, layer_model = make_nemotron_h_checkpoint(path / "mtp_layer", pattern=pattern,
+                                                seed=seed + 1, **NEMOTRON_MOE)  # fmt: skip
+    tensors = load_file(path / "model.safetensors")
+    for name, x in load_file(path / "mtp_layer" / "model.safetensors").items():
+        if name.startswith("backbone.layers."):
+            tensors["mtp.layers." + name.removeprefix("backbone.layers.")] = x
+    rng = np.random.default_rng(seed)
+    e = model.config.hidden_size
+    for norm in ("0.enorm", "0.hnorm", f"{len(pattern) - 1}.final_layernorm"):
+        tensors[f"mtp.layers.{norm}.weight"] = (1 + 0.2 * rng.standard_normal(e)).astype(np.float32)
+    tensors["mtp.layers.0.eh_proj.weight"] = (rng.standard_normal((e, 2 * e))
+                                              / np.sqrt(2 * e)).astype(np.float32)  # fmt: skip
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.pop("mtp_layers_block_type", None)  # transformers' spelling; NVIDIA's below
+    config.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern=pattern)
+    (path / "config.json").write_text(json.dumps(config))
+    return path, model, layer_model, tensors
+
+
+def _nemotron_h_oracle_logits(checkpoint, prompt) -> np.ndarray:
+    """vLLM's Nemotron-H MTP head (`nemotron_h_mtp.py`) at positions 0..n-2 of `prompt`, in
+    float64 (the blocks in float32): the target's final-normed hidden h_t and the embedding of
+    token t + 1, each RMS-normed (x̂·w: `enorm`, `hnorm`), concatenated [embedding | hidden],
+    `eh_proj`, transformers' blocks (x + mixer(norm(x))) under a causal mask,
+    `final_layernorm`, the lm_head."""
+    _, model, layer_model, t = checkpoint
+    eps = model.config.layer_norm_epsilon
+
+    def rms(x, w):
+        x = x.astype(np.float64)
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w.astype(np.float64)
+
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0].double().numpy()
+    n, last = len(prompt) - 1, len(layer_model.model.layers) - 1
+    emb = model.model.embeddings.weight.detach().numpy()[prompt[1:]]
+    x = np.concatenate([rms(emb, t["mtp.layers.0.enorm.weight"]),
+                        rms(hidden[:n], t["mtp.layers.0.hnorm.weight"])], -1)  # fmt: skip
+    x = torch.tensor((x @ t["mtp.layers.0.eh_proj.weight"].astype(np.float64).T)[None],
+                     dtype=torch.float32)  # fmt: skip
+    layer_model.config._attn_implementation = "eager"
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        for block in layer_model.model.layers:
+            x = block(x, attention_mask=mask, position_ids=torch.arange(n)[None])
+    g = rms(x[0].double().numpy(), t[f"mtp.layers.{last}.final_layernorm.weight"])
+    return g @ t["lm_head.weight"].astype(np.float64).T
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory):
+    return _nemotron_h_with_mtp(tmp_path_factory.mktemp("nemotron_h"), "*E", seed=8)
+
+
+def test_nemotron_h_mtp_head_logits_match_vllms_computation(nemotron_h, tmp_path):
+    _check_head_logits(nemotron_h, _nemotron_h_oracle_logits)
+    # Blocks in another order, with an MLP.
+    _check_head_logits(_nemotron_h_with_mtp(tmp_path, "E-*", seed=10),
+                       _nemotron_h_oracle_logits)  # fmt: skip
+
+
+def test_nemotron_h_mtp_blocks_with_mamba_are_refused_naming_the_field():
+    target = load_config("nemotron-h-tiny")
+    config = {"model_type": "nemotron_h", "num_nextn_predict_layers": 1}
+    assert mtp_layers(config, "m") == 1
+    assert mtp_config(target, {**config, "mtp_hybrid_override_pattern": "*-"},
+                      "m").layer_types == ("attention", "mlp")  # fmt: skip
+    with pytest.raises(ValueError, match=r"m: HF config mtp_hybrid_override_pattern='\*M' has "
+                                         "a Mamba block"):  # fmt: skip
+        mtp_config(target, {**config, "mtp_hybrid_override_pattern": "*M"}, "m")
+    with pytest.raises(ValueError, match=r"mtp_layers_block_type=\['mamba'\] has a Mamba"):
+        mtp_config(target, {**config, "mtp_layers_block_type": ["mamba"]}, "m")
+    with pytest.raises(ValueError, match="without mtp_hybrid_override_pattern"):
+        mtp_config(target, config, "m")
 
 
 rng = np.random.default_rng(0)
@@ -239,6 +333,13 @@ def test_greedy_output_is_identical_with_mtp_drafts_on_multimodal_qwen3_5_moe(qw
     assert engines["mtp"].stats()["spec_verify_steps"] > 0
 
 
+def test_greedy_output_is_identical_with_mtp_drafts_on_nemotron_h(nemotron_h):
+    engines = _engines(nemotron_h[0])
+    assert _greedy_runs(engines["mtp"], 12) == _greedy_runs(engines["base"], 12)
+    stats = engines["mtp"].stats()
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+
+
 def test_an_mtp_head_that_agrees_with_the_target_has_its_drafts_accepted(tmp_path):
     """Target and head both predict the lm_head's likeliest constant token at every position
     (`_add_mtp(agree=True)`), so greedy output is that token and every draft is kept."""
@@ -267,10 +368,8 @@ def test_mtp_is_refused_naming_a_model_without_mtp_layers(tmp_path):
 
 
 def test_mtp_layers_of_an_unsupported_family_are_refused_by_name():
-    from jaxmamba.model.mtp import mtp_layers
-
-    with pytest.raises(ValueError, match=r"m \(model_type 'nemotron_h'\) has no MTP layers"):
-        mtp_layers({"model_type": "nemotron_h", "num_nextn_predict_layers": 1}, "m")
+    with pytest.raises(ValueError, match=r"m \(model_type 'falcon_h1'\) has no MTP layers"):
+        mtp_layers({"model_type": "falcon_h1", "num_nextn_predict_layers": 1}, "m")
     with pytest.raises(ValueError, match="num_nextn_predict_layers=2; one MTP layer runs"):
         mtp_layers({"model_type": "qwen3_next", "num_nextn_predict_layers": 2}, "m")
     text = {"model_type": "qwen3_5_moe_text", "mtp_num_hidden_layers": 1}

@@ -226,8 +226,9 @@ class Mamba2HybridLM(nn.Module):
 class MtpHead(nn.Module):
     """A checkpoint's multi-token-prediction layer (`jaxmamba.model.mtp`): the target's
     embedding of the next token and its hidden state, each RMS-normed, concatenated in that
-    order and projected (`fc`), then one decoder layer and a final norm. `cfg` is
-    `mtp.mtp_config`'s: one attention layer and the target's first feed-forward."""
+    order and projected (`fc`), then the residual blocks of `cfg.layer_types` (attention, MLP
+    or MoE; each attention block on its own KV pages) and a final norm. `cfg` is
+    `mtp.mtp_config`'s."""
 
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
@@ -244,7 +245,7 @@ class MtpHead(nn.Module):
     ) -> tuple[jax.Array, StateCache]:
         cfg = self.cfg
         small_m = model_small_m_impl(self.impl, self.small_m_impl)
-        if meta.attention_blocks is None:
+        if cfg.attention_layers and meta.attention_blocks is None:
             meta = meta.with_attention_blocks(
                 cfg.num_attention_heads, cfg.num_key_value_heads, self.impl
             )
@@ -253,11 +254,14 @@ class MtpHead(nn.Module):
         x = Linear(cfg.hidden_size, (None, "embed"), False, self.dtype, small_m,
                    name="fc")(jnp.concatenate([e, h], axis=-1))  # fmt: skip
         x = x.astype(jnp.float32)
-        attention, ffn = cfg.layer_types
-        kv = (cache.k_pages[0], cache.v_pages[0])
-        x, (k, v) = Block(cfg, attention, self.dtype, self.impl, small_m, name="layers_0")(
-            x, kv, meta
-        )
-        x, _ = Block(cfg, ffn, self.dtype, self.impl, small_m, name="layers_1")(x, (), meta)
+        k_pages, v_pages = list(cache.k_pages), list(cache.v_pages)
+        attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        for layer, layer_type in enumerate(cfg.layer_types):
+            block = Block(cfg, layer_type, self.dtype, self.impl, small_m, name=f"layers_{layer}")
+            if layer in attention_index:
+                a = attention_index[layer]
+                x, (k_pages[a], v_pages[a]) = block(x, (k_pages[a], v_pages[a]), meta)
+            else:
+                x, _ = block(x, (), meta)
         out = RMSNorm(cfg.norm_eps, self.dtype, name="norm")(x)
-        return out, cache._replace(k_pages=(k,), v_pages=(v,))
+        return out, cache._replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages))

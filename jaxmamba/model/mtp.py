@@ -1,18 +1,20 @@
 """Multi-token-prediction speculative decoding (vLLM's ``"method": "mtp"``), on device: the
 checkpoint's MTP layer proposes each row's k drafts inside the verify step (docs/speculative.md).
 
-The MTP head (Qwen3-Next's and Qwen3.5's ``mtp.*`` tensors, as vLLM's `qwen3_next_mtp.py`
-runs them) scores position t from the target's final-normed hidden state ``h_t`` and the
-token at ``t + 1``:
+The MTP head (the ``mtp.*`` tensors of Qwen3-Next and Qwen3.5, as vLLM's
+`qwen3_next_mtp.py` runs them, and of Nemotron-H, as its `nemotron_h_mtp.py` does) scores
+position t from the target's final-normed hidden state ``h_t`` and the token at ``t + 1``:
 
-    g_t = norm(layer(fc([rmsnorm_e(embed(x_{t+1})) | rmsnorm_h(h_t)])))
+    g_t = norm(layers(fc([rmsnorm_e(embed(x_{t+1})) | rmsnorm_h(h_t)])))
 
-`layer` is one decoder layer (gated attention with its own KV pages, then the model's MLP or
-MoE), `embed` and the lm_head are the target's, and ``lm_head(g_t)`` predicts ``x_{t+2}``.
-Chained, ``g_t`` stands in for ``h_{t+1}`` at the next position.
+`layers` are the family's residual blocks (`Family.mtp_config`): Qwen's one decoder layer
+(gated attention, then the model's MLP or MoE), Nemotron-H's `mtp_hybrid_override_pattern`
+(attention, MLP and MoE blocks); attention blocks keep their own KV pages. `embed` and the
+lm_head are the target's, and ``lm_head(g_t)`` predicts ``x_{t+2}``. Chained, ``g_t`` stands
+in for ``h_{t+1}`` at the next position.
 
-* **Its KV pages mirror the target's** (`SpecState.draft`, a `StateCache` of one attention
-  layer on the target's slots and pages). Every plain step runs the head over the step's
+* **Its KV pages mirror the target's** (`SpecState.draft`, a `StateCache` of the head's
+  attention layers on the target's slots and pages). Every plain step runs the head over the step's
   positions with the target's metadata (`advance_mtp`): position t pairs the target's hidden
   state there with the next token, which is the step's next input in the row or, at the row's
   last position, the token the step samples. Each slot also keeps ``g`` at its last position
@@ -39,7 +41,6 @@ ends before the prompt does pairs its last chunk position with the sampled token
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -58,7 +59,7 @@ if TYPE_CHECKING:  # the model code is imported on use (see `step.py`)
 # The config.json key that counts a family's MTP layers (Qwen3.5's multimodal configs keep it
 # in `text_config`).
 MTP_LAYER_KEYS = {
-    "qwen3_next": "num_nextn_predict_layers",
+    **dict.fromkeys(("qwen3_next", "nemotron_h"), "num_nextn_predict_layers"),
     **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"),
                     "mtp_num_hidden_layers"),
 }  # fmt: skip
@@ -73,16 +74,26 @@ class MtpSpec(NamedTuple):
     window: int = 1
 
 
-def mtp_config(target: ModelConfig) -> ModelConfig:
-    """The head's config: the target's, with one gated-attention layer and the feed-forward
-    of the target's first layer (vLLM builds the MTP decoder layer as layer 0)."""
-    return dataclasses.replace(target, layer_types=("attention", target.layer_types[1]))
+def mtp_config(target: ModelConfig, hf_config: dict, model: str) -> ModelConfig:
+    """The head's config: the target's, with the MTP layer's blocks (`Family.mtp_config`); a
+    layout the head does not run (Nemotron-H's Mamba blocks) is a ValueError naming the model
+    and the config field."""
+    from jaxmamba.model.families import get_family
+
+    try:
+        return get_family(target.model_type).mtp_config(target, _text(hf_config))
+    except ValueError as e:
+        raise ValueError(f"speculative_config method 'mtp': {model}: {e}") from None
+
+
+def _text(hf_config: dict) -> dict:
+    return hf_config.get("text_config") or hf_config
 
 
 def mtp_layers(hf_config: dict, model: str) -> int:
     """The checkpoint's MTP layer count; a family or checkpoint without one (or with more
     than one: the published ones have one) is a ValueError naming the model."""
-    text = hf_config.get("text_config") or hf_config
+    text = _text(hf_config)
     model_type = text.get("model_type", hf_config.get("model_type"))
     key = MTP_LAYER_KEYS.get(model_type)
     if key is None:
@@ -114,9 +125,10 @@ def load_mtp(model: str, path, num_tokens: int, target: ModelConfig, dtype,
     if path is None:
         raise ValueError(f"speculative_config method 'mtp': {model} is not an HF checkpoint, so "
                          "it has no MTP layers (num_nextn_predict_layers=0)")  # fmt: skip
-    mtp_layers(json.loads((path / "config.json").read_text()), model)
+    hf_config = json.loads((path / "config.json").read_text())
+    mtp_layers(hf_config, model)
     family = get_family(target.model_type)
-    cfg = mtp_config(target)
+    cfg = mtp_config(target, hf_config, model)
     params = load_tensors(path, family.mtp_param_map(cfg), dtype=dtype)
     from jaxmamba.model.model import MtpHead
 

@@ -39,6 +39,9 @@ class Family:
     # The MTP head's config (`mtp.mtp_config`) -> its entries, under their full checkpoint
     # names (`mtp.*`); None: the family's MTP layers do not run.
     mtp_param_map: Callable[[ModelConfig], list[Entry]] | None = None
+    # (the target's config, the config.json text dict) -> the MTP head's config: the target's
+    # with the head's layer types; a ValueError for a layout the head does not run.
+    mtp_config: Callable[[ModelConfig, dict], ModelConfig] | None = None
 
 
 # ----------------------------------------------------------------------------------------

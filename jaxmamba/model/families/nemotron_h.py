@@ -8,6 +8,7 @@ group-limited top-k (`n_group`, `topk_group`), optional renormalisation, times
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jaxmamba.model.families.common as common
@@ -63,27 +64,11 @@ def from_hf(c: dict, name: str) -> ModelConfig:
         raise ValueError(f"HF config position_embedding_type={pos!r} is unsupported (no RoPE)")
     if c.get("sliding_window") is not None:
         raise ValueError(f"HF config sliding_window={c['sliding_window']!r} is unsupported")
-    # num_nextn_predict_layers > 0 adds multi-token-prediction heads (`mtp.*` tensors); we serve
-    # the main model only, so they are ignored here and skipped by the loader.
+    # num_nextn_predict_layers > 0 adds a multi-token-prediction layer (`mtp.*` tensors): the
+    # loader skips it, speculative decoding reads it (`mtp_config`, `mtp_param_map`).
     num_heads = c.get("num_attention_heads", 32)
     hidden = c.get("hidden_size", 4096)
-    moe = {}
-    if "moe" in layer_types:
-        if c.get("moe_latent_size") is not None:
-            raise ValueError(
-                f"HF config moe_latent_size={c['moe_latent_size']!r} is unsupported: only null"
-            )
-        moe = dict(
-            num_experts=get(c, "n_routed_experts", "num_local_experts", default=8),
-            num_experts_per_tok=c.get("num_experts_per_tok", 2),
-            moe_intermediate_size=c.get("moe_intermediate_size", 7688),
-            moe_shared_intermediate_size=c.get("moe_shared_expert_intermediate_size", 7688),
-            moe_router="sigmoid_grouped",
-            moe_num_groups=c.get("n_group", 1),
-            moe_topk_groups=c.get("topk_group", 1),
-            moe_norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-            moe_routed_scaling=common.as_float(c.get("routed_scaling_factor", 1.0)),
-        )
+    moe = _moe_fields(c) if "moe" in layer_types else {}
     return ModelConfig(
         model_type="nemotron_h",
         vocab_size=c.get("vocab_size", 131072),
@@ -117,6 +102,25 @@ def from_hf(c: dict, name: str) -> ModelConfig:
     )
 
 
+def _moe_fields(c: dict) -> dict:
+    get = common.get
+    if c.get("moe_latent_size") is not None:
+        raise ValueError(
+            f"HF config moe_latent_size={c['moe_latent_size']!r} is unsupported: only null"
+        )
+    return dict(
+        num_experts=get(c, "n_routed_experts", "num_local_experts", default=8),
+        num_experts_per_tok=c.get("num_experts_per_tok", 2),
+        moe_intermediate_size=c.get("moe_intermediate_size", 7688),
+        moe_shared_intermediate_size=c.get("moe_shared_expert_intermediate_size", 7688),
+        moe_router="sigmoid_grouped",
+        moe_num_groups=c.get("n_group", 1),
+        moe_topk_groups=c.get("topk_group", 1),
+        moe_norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        moe_routed_scaling=common.as_float(c.get("routed_scaling_factor", 1.0)),
+    )
+
+
 def to_hf(cfg: ModelConfig) -> dict:
     lo, hi = cfg.time_step_limit
     if set(cfg.layer_types) - set(_HF_LAYER_NAMES):
@@ -142,22 +146,73 @@ def to_hf(cfg: ModelConfig) -> dict:
 
 
 def param_map(cfg: ModelConfig) -> list[common.Entry]:
-    E = cfg.hidden_size
     plan = [common.embedding("embeddings.weight", cfg)]
     for i, kind in enumerate(cfg.layer_types):
-        ours, hf = (f"layers_{i}",), f"layers.{i}"
-        plan.append(common.norm((*ours, "norm"), f"{hf}.norm", E))
-        m, hm = (*ours, "mixer"), f"{hf}.mixer"
-        if kind == "mamba":
-            plan += common.mamba_mixer(m, hm, cfg)
-        elif kind == "attention":
-            plan += common.attention(m, hm, cfg)
-        elif kind == "moe":
-            plan += _moe(m, hm, cfg)
-        else:
-            plan += common.relu2_mlp(m, hm, E, cfg.intermediate_size, cfg.mlp_bias)
-    plan.append(common.norm(("norm_f",), "norm_f", E))
+        plan += _block(f"layers_{i}", f"layers.{i}", kind, cfg)
+    plan.append(common.norm(("norm_f",), "norm_f", cfg.hidden_size))
     return plan + common.lm_head(cfg)
+
+
+def _block(ours: str, hf: str, kind: str, cfg: ModelConfig) -> list[common.Entry]:
+    """One residual block's norm and mixer under HF layer prefix `hf`."""
+    E = cfg.hidden_size
+    plan = [common.norm((ours, "norm"), f"{hf}.norm", E)]
+    m, hm = (ours, "mixer"), f"{hf}.mixer"
+    if kind == "mamba":
+        return plan + common.mamba_mixer(m, hm, cfg)
+    if kind == "attention":
+        return plan + common.attention(m, hm, cfg)
+    if kind == "moe":
+        return plan + _moe(m, hm, cfg)
+    return plan + common.relu2_mlp(m, hm, E, cfg.intermediate_size, cfg.mlp_bias)
+
+
+def mtp_layer_types(c: dict) -> tuple[str, ...]:
+    """The MTP layer's blocks: `mtp_hybrid_override_pattern` (NVIDIA's configs, e.g. "*E":
+    attention, then MoE) or `mtp_layers_block_type` (transformers' list). A Mamba block is a
+    ValueError naming the field: it would need a recurrent state of its own per slot."""
+    fields = {k: c[k] for k in ("mtp_hybrid_override_pattern", "mtp_layers_block_type")
+              if c.get(k) is not None}  # fmt: skip
+    if not fields:
+        raise ValueError("HF config num_nextn_predict_layers=1 without mtp_hybrid_override_pattern "
+                         "or mtp_layers_block_type (the MTP layer's blocks)")  # fmt: skip
+    parsed = {}
+    for field, raw in fields.items():
+        if not raw or any(t not in _LAYER_TYPE_ALIASES for t in raw):
+            raise ValueError(f"HF config {field}={raw!r} is not a list of known layer types")
+        parsed[field] = tuple(_LAYER_TYPE_ALIASES[t] for t in raw)
+    if len(set(parsed.values())) > 1:
+        raise ValueError(f"HF config {fields} disagree on the MTP layer's blocks")
+    field, types = next(iter(parsed.items()))
+    if "mamba" in types:
+        raise ValueError(f"HF config {field}={fields[field]!r} has a Mamba block; the MTP layer "
+                         "runs attention, MLP and MoE blocks (a Mamba block would need its own "
+                         "recurrent state per slot)")  # fmt: skip
+    return types
+
+
+def mtp_config(target: ModelConfig, c: dict) -> ModelConfig:
+    """The MTP head's config: the target's with the MTP layer's blocks (`mtp_layer_types`),
+    and the config's MoE fields when one of them is MoE."""
+    types = mtp_layer_types(c)
+    moe = _moe_fields(c) if "moe" in types else {}
+    return dataclasses.replace(target, layer_types=types, **moe)
+
+
+def mtp_param_map(cfg: ModelConfig) -> list[common.Entry]:
+    """The MTP layer's tensors (`mtp.*`, as vLLM's `nemotron_h_mtp.py` names them): the first
+    block also holds `enorm` and `hnorm` (RMS norms of the embedding and hidden inputs) and
+    `eh_proj` [E, 2E] over [embedding | hidden], each block its `norm` and `mixer` as the
+    target's, and the last block `final_layernorm`. `cfg` is the head's (`mtp_config`)."""
+    E, last = cfg.hidden_size, f"mtp.layers.{cfg.num_layers - 1}"
+    plan = [
+        common.norm(("pre_fc_norm_embedding",), "mtp.layers.0.enorm", E),
+        common.norm(("pre_fc_norm_hidden",), "mtp.layers.0.hnorm", E),
+        *common.linear(("fc",), "mtp.layers.0.eh_proj", 2 * E, E, False),
+    ]
+    for i, kind in enumerate(cfg.layer_types):
+        plan += _block(f"layers_{i}", f"mtp.layers.{i}", kind, cfg)
+    return plan + [common.norm(("norm",), f"{last}.final_layernorm", E)]
 
 
 def _moe(m: tuple[str, ...], hm: str, cfg: ModelConfig) -> list[common.Entry]:
@@ -188,4 +243,6 @@ FAMILY = common.Family(
     # 5 in memory), or none (a bare base model).
     base_prefixes=("backbone.", "model.", ""),
     to_hf=to_hf,
+    mtp_param_map=mtp_param_map,
+    mtp_config=mtp_config,
 )

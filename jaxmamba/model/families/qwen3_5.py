@@ -127,6 +127,7 @@ TEXT = common.Family(
     base_prefixes=_BASE_PREFIXES,
     to_hf=text_to_hf,
     mtp_param_map=qwen3_next.mtp_param_map,
+    mtp_config=qwen3_next.mtp_config,
 )
 MOE_TEXT = common.Family(
     model_type="qwen3_5_moe_text",
@@ -136,6 +137,7 @@ MOE_TEXT = common.Family(
     base_prefixes=_BASE_PREFIXES,
     to_hf=moe_text_to_hf,
     mtp_param_map=qwen3_next.mtp_param_map,
+    mtp_config=qwen3_next.mtp_config,
 )
 # Config adapters only: they return the text model's ModelConfig (model_type qwen3_5_text or
 # qwen3_5_moe_text), which is what the loader and the model see.

@@ -15,6 +15,7 @@ code derives from this one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -281,6 +282,12 @@ def param_map_with(
     return param_map
 
 
+def mtp_config(target: ModelConfig, c: dict) -> ModelConfig:
+    """The MTP head's config: one gated-attention layer and the feed-forward of the target's
+    first layer (vLLM builds the MTP decoder layer as layer 0)."""
+    return dataclasses.replace(target, layer_types=("attention", target.layer_types[1]))
+
+
 def mtp_param_map(cfg: ModelConfig) -> list[common.Entry]:
     """The MTP layer's tensors (`mtp.*`, as vLLM's `qwen3_next_mtp.py` names them): the
     zero-centred norms of the embedding and hidden inputs, `fc` [E, 2E] over [embedding |
@@ -317,4 +324,5 @@ FAMILY = common.Family(
     param_map=param_map_with(_in_proj_qkvz_ba),
     to_hf=to_hf,
     mtp_param_map=mtp_param_map,
+    mtp_config=mtp_config,
 )
