@@ -44,17 +44,18 @@ logger = logging.getLogger(__name__)
 
 
 def _load_params_for(model: str, cfg: ModelConfig, dtype, seed: int, tensor_parallel_size: int,
-                     quantization: str | None = None):  # fmt: skip
+                     quantization: str | None = None, *, split: bool = True):  # fmt: skip
     """`load_params` (quantized as `quantization` says); for a sharded model into host memory
-    first (the runner splits it onto the mesh), so the whole model never has to fit one
-    device."""
+    first (the runner splits it onto the mesh, or with `split=False` copies it to every
+    device: a draft model), so the whole model never has to fit one device."""
     if tensor_parallel_size == 1:
         return load_params(model, cfg, dtype, seed, quantization)
     import jax
 
     from jaxmamba.parallel.plan import TensorParallelPlan
 
-    TensorParallelPlan(cfg, tensor_parallel_size)  # refuse an impossible split before loading
+    if split:
+        TensorParallelPlan(cfg, tensor_parallel_size)  # refuse an impossible split before loading
     try:
         host = jax.local_devices(backend="cpu")[0]  # this process's: several hosts each load
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS names only accelerators)
@@ -87,10 +88,12 @@ class LLM:
         from jaxmamba.export.artifact import is_artifact
 
         tensor_parallel_size = engine_cfg.tensor_parallel_size
-        if engine_cfg.speculative_config is not None and tensor_parallel_size != 1:
+        sc = engine_cfg.speculative_config
+        if sc is not None and sc.method == "mtp" and tensor_parallel_size != 1:
             raise ValueError(
-                f"speculative_config with tensor_parallel_size={tensor_parallel_size} is not "
-                "implemented yet: speculative decoding runs on one device"
+                f"speculative_config method 'mtp' with tensor_parallel_size={tensor_parallel_size}"
+                " is not implemented: the MTP head reads the target's vocab-parallel embedding "
+                "and lm_head whole; use 'ngram' or 'draft_model' (docs/tensor_parallel.md)"
             )
         if is_artifact(model):  # a `jaxmamba export` directory: runs without the model code
             if tensor_parallel_size != 1:
@@ -320,7 +323,8 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
     temporaries of the hungriest program, every program compiled at the planned cache's
     shapes (`_fit_every_program`); CPU: the given or default sizes, checked against the
     host's MemAvailable. A draft model's (`draft`) states and KV pages share the target's
-    slots and pages, so each slot and page holds both."""
+    slots and pages, so each slot and page holds both (under tensor parallelism, the target's
+    shard and the whole draft's)."""
     import jax
 
     from jaxmamba.engine import memory
@@ -361,7 +365,9 @@ def size_cache(model_cfg: ModelConfig, cfg: EngineConfig, params, dtype, impl: s
         device = jax.local_devices()[0]
     mem = memory.device_memory(device)
     if tp > 1 and mem is not None and mem.source != "MemAvailable":
-        mem = dataclasses.replace(mem, in_use=mem.in_use + weights // tp)
+        # ... and a draft model's whole weights (`load_draft`: in host memory until then)
+        draft_weights = 0 if draft is None else sum(x.nbytes for x in jax.tree.leaves(draft.params))
+        mem = dataclasses.replace(mem, in_use=mem.in_use + weights // tp + draft_weights)
     temps = 0
     if cfg.kv_cache_memory_bytes is not None:
         how = f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}"
@@ -608,7 +614,10 @@ def load_draft(cfg: EngineConfig, target: ModelConfig, dtype, run: RunConfig,
     from jaxmamba.model.draft import draft_spec
 
     spec = draft_spec(sc.num_speculative_tokens, load_config(sc.model), target, dtype, run.impl)
-    return Draft(spec, load_params(sc.model, spec.model.cfg, dtype, run.seed, run.quantization))
+    # Under tensor parallelism into host memory first: the runner places a copy on every device.
+    params = _load_params_for(sc.model, spec.model.cfg, dtype, run.seed, cfg.tensor_parallel_size,
+                              run.quantization, split=False)  # fmt: skip
+    return Draft(spec, params)
 
 
 def speculative_spec(cfg: EngineConfig, draft: Draft | None = None):

@@ -69,6 +69,7 @@ LONGEST_FIRST = (
     "test_streaming.py",
     "test_demo_model.py",
     "test_tensor_parallel.py",
+    "test_speculative_tp.py",
     "test_gdn_engine.py",
     "test_family_qwen3_next.py",
     "test_family_qwen3_5.py",

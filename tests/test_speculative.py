@@ -77,8 +77,9 @@ def test_speculative_config_flag_is_json_from_the_settings_field():
 
 
 def test_unsupported_combinations_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM("nemotron-h-tiny", speculative_config=NGRAM, tensor_parallel_size=2)
+    # before anything loads (ngram and draft_model under TP: tests/test_speculative_tp.py)
+    with pytest.raises(ValueError, match="method 'mtp' with tensor_parallel_size=2"):
+        LLM("nemotron-h-tiny", speculative_config={"method": "mtp"}, tensor_parallel_size=2)
     from jaxmamba.export.writer import export_artifact
 
     draft = {"method": "draft_model", "model": "nemotron-h-tiny"}

@@ -500,16 +500,22 @@ class ModelRunner(StepRunner):
         whole model's, as loaded. `allocate=False`: `cache` and `slot_state` are only their
         shapes (`jax.ShapeDtypeStruct`s), so the runner compiles its programs
         (`compile_programs`, for their memory) before the cache takes memory; it runs after
-        `reset_state`. `speculative`: the runner runs verify steps with this n-gram drafting
-        (one device only), and its slot state keeps each slot's length and token history; a
-        `DraftSpec` drafts with its model, whose weights are `draft_params` and whose states
-        the slot state keeps too (`jaxmamba.model.draft`)."""
+        `reset_state`. `speculative`: the runner runs verify steps with this n-gram drafting,
+        and its slot state keeps each slot's length and token history; a `DraftSpec` drafts
+        with its model, whose weights are `draft_params` and whose states the slot state
+        keeps too (`jaxmamba.model.draft`). Sharded, the slot state and the draft model are
+        replicated on every device (`jaxmamba.parallel.step`); an `MtpSpec` is refused."""
         from jaxmamba.model.model import Mamba2HybridLM
 
         super().__init__()
-        if speculative is not None and (tensor_parallel_size > 1 or mesh is not None):
-            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
-                             "implemented yet: serve the model on one device")  # fmt: skip
+        sharded = tensor_parallel_size > 1 or mesh is not None
+        if sharded and isinstance(speculative, MtpSpec):
+            raise ValueError(
+                f"speculative_config method 'mtp' with tensor_parallel_size="
+                f"{tensor_parallel_size} is not implemented: the MTP head reads the target's "
+                "vocab-parallel embedding and lm_head whole; use 'ngram' or 'draft_model', or "
+                "tensor_parallel_size=1"
+            )
         if isinstance(speculative, DraftSpec | MtpSpec) != (draft_params is not None):
             raise ValueError("a DraftSpec or MtpSpec and its draft_params come together, got "
                              f"{type(speculative).__name__} and draft_params="
@@ -523,7 +529,7 @@ class ModelRunner(StepRunner):
         # One device: the host arrays go to the jitted step as they are; its C++ dispatch moves
         # them, cheaper than a Python `device_put` per array (`scripts/bench_host_loop.py`).
         self._put_inputs = _as_is
-        if tensor_parallel_size == 1 and mesh is None:
+        if not sharded:
             self.model = Mamba2HybridLM(cfg, self.dtype, impl, small_m_impl)
             self.params = params
             self._new_state = lambda: (init_cache(cfg, cache_spec, self.dtype),
@@ -546,8 +552,12 @@ class ModelRunner(StepRunner):
             self.params = shard(plan, params, mesh_plan.mesh)
             self._new_state = lambda: (
                 sharding.init_sharded_cache(plan, cache_spec, self.dtype, mesh_plan.mesh),
-                jax.device_put(init_slot_state(cfg, cache_spec, self.dtype), replicated),
-            )
+                jax.device_put(init_slot_state(cfg, cache_spec, self.dtype, speculative),
+                               replicated),
+            )  # fmt: skip
+            if draft_params is not None:  # a draft model is small: whole on every device
+                self.draft_params = sharding.replicate_params(draft_params, mesh_plan.mesh,
+                                                              allocate=allocate)  # fmt: skip
             self._put_inputs = functools.partial(jax.device_put, device=replicated)
             self._static = dict(model=self.model, spec=cache_spec, mesh_plan=mesh_plan)
             self._jit_step, self._jit_logits = step.jitted_tp_step, step.jitted_tp_logits
@@ -568,11 +578,11 @@ class ModelRunner(StepRunner):
                 ),
                 jax.eval_shape(self._new_state),
             )
-            if tensor_parallel_size > 1 or mesh is not None:
+            if sharded:
                 self.cache = sharding.sharded_cache_shapes(plan, cache_spec, self.dtype,
                                                            mesh_plan.mesh)  # fmt: skip
         # The sampler variants of decode steps (the sharded step has the full one only).
-        self.sampler_variants = tensor_parallel_size == 1 and mesh is None and variants_enabled()
+        self.sampler_variants = not sharded and variants_enabled()
         self.structured_outputs = structured_outputs_enabled()
 
     @property
@@ -675,7 +685,8 @@ def step_temporary_bytes(
         from jaxmamba.parallel.step import step_memory
 
         analysis = step_memory(cfg, tensor_parallel_size, params, spec, inputs, num_decode,
-                               dtype=dtype, impl=impl, small_m_impl=small_m_impl)  # fmt: skip
+                               dtype=dtype, impl=impl, small_m_impl=small_m_impl,
+                               speculative=speculative, draft_params=draft_params)  # fmt: skip
         unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
         return int(analysis.temp_size_in_bytes + max(unaliased, 0))
 

@@ -300,3 +300,19 @@ def init_sharded_cache(plan: TensorParallelPlan, spec: CacheSpec, dtype, mesh: M
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def replicate_params(params, mesh: Mesh, *, allocate: bool = True):
+    """Whole parameters (a draft model's) → a copy on every device of `mesh`, through host
+    memory one array at a time, each process placing only its own devices' copies (as
+    `shard_params`); `allocate=False`: their `ShapeDtypeStruct`s only."""
+    sharding = replicated(mesh)
+    if not allocate:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            params)  # fmt: skip
+
+    def one(a):
+        host = np.asarray(jax.device_get(a))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, params)

@@ -7,6 +7,13 @@ see their shard's heads as a whole model's. The layers all-reduce after each row
 projection, the logits are gathered, and every device samples the same tokens from the
 same full logits, so the packed output (read from any one device) and the per-slot state
 stay replicated. One dispatch per step for the whole mesh.
+
+Speculative decoding (docs/speculative.md) runs here unchanged: a verify step's layers keep
+their shard's heads' per-position terms and commit them to their shard of the cache, and
+the n-gram history, the slot lengths and a draft model's (`DraftSpec`) states live in the
+replicated slot state. The draft model is not split: every device holds its whole weights
+and runs it on the same inputs, so every device proposes the same drafts without a
+collective.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxmamba.model.step import fork_fn, init_slot_state, logits_fn, score_fn, step_fn
+from jaxmamba.model.draft import DraftSpec
+from jaxmamba.model.speculative import NgramSpec
+from jaxmamba.model.step import FULL, fork_fn, init_slot_state, logits_fn, score_fn, step_fn
 from jaxmamba.parallel.plan import TensorParallelPlan
 
 REPLICATED = PartitionSpec()
@@ -31,26 +40,35 @@ class MeshPlan:
     mesh: Mesh
 
 
-def _shard_mapped(fn, mesh_plan: MeshPlan, params, spec, dtype, out_cache: bool):
+def _shard_mapped(fn, mesh_plan: MeshPlan, params, spec, dtype, out_cache: bool,
+                  extra_args: int = 0):  # fmt: skip
+    """`fn(params, cache, a, b, *extra)` over the mesh: params and cache split, the rest
+    (`extra_args` more of them) replicated."""
     from jaxmamba.parallel.sharding import cache_specs, param_specs
 
     plan = mesh_plan.plan
     params, cache = param_specs(plan, params), cache_specs(plan, spec, dtype)
-    in_specs = (params, cache, REPLICATED, REPLICATED)
+    in_specs = (params, cache, REPLICATED, REPLICATED) + (REPLICATED,) * extra_args
     out_specs = (REPLICATED, cache, REPLICATED) if out_cache else (REPLICATED, cache)
     # check_vma off: the Pallas calls carry no replication annotations; the outputs marked
-    # replicated are, since each is computed from all-reduced or gathered values.
+    # replicated are, since each is computed from all-reduced or gathered values (or, for a
+    # draft model's drafts, by the same replicated computation on every device).
     return jax.shard_map(fn, mesh=mesh_plan.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)  # fmt: skip
 
 
-def tp_step_fn(params, cache, slot_state, inputs, *, model, spec, num_decode, mesh_plan):
-    """`model.step.step_fn` over the mesh (`model` is the shard model)."""
-    body = functools.partial(step_fn, model=model, spec=spec, num_decode=num_decode)
-    dtype = model.dtype
-    return _shard_mapped(body, mesh_plan, params, spec, dtype, out_cache=True)(
-        params, cache, slot_state, inputs
-    )
+def tp_step_fn(params, cache, slot_state, inputs, draft_params=None, *, model, spec,
+               num_decode, mesh_plan, sampler: str = FULL,
+               speculative: NgramSpec | DraftSpec | None = None):  # fmt: skip
+    """`model.step.step_fn` over the mesh (`model` is the shard model). `speculative`: a
+    speculating runner's step (its slot state has `spec`, replicated); a `DraftSpec`'s
+    `draft_params` are replicated, its model the whole draft."""
+    body = functools.partial(step_fn, model=model, spec=spec, num_decode=num_decode,
+                             sampler=sampler, speculative=speculative)  # fmt: skip
+    extra = () if draft_params is None else (draft_params,)
+    mapped = _shard_mapped(body, mesh_plan, params, spec, model.dtype, out_cache=True,
+                           extra_args=len(extra))  # fmt: skip
+    return mapped(params, cache, slot_state, inputs, *extra)
 
 
 def tp_logits_fn(params, cache, inputs, *, model, spec, num_decode, mesh_plan):
@@ -85,7 +103,7 @@ def tp_fork_fn(cache, *forks, model, spec, mesh_plan):
 
 jitted_tp_step = jax.jit(
     tp_step_fn,
-    static_argnames=("model", "spec", "num_decode", "mesh_plan"),
+    static_argnames=("model", "spec", "num_decode", "mesh_plan", "sampler", "speculative"),
     donate_argnames=("cache", "slot_state"),
 )
 jitted_tp_score = jax.jit(tp_score_fn, static_argnames=("model", "spec", "mesh_plan"))
@@ -113,10 +131,13 @@ def mesh_plan(cfg, size: int, mesh: Mesh | None = None) -> MeshPlan:
 
 
 def lower_step(mesh_plan: MeshPlan, param_shapes, spec, inputs, num_decode: int, *, dtype,
-               impl: str = "auto", small_m_impl: str | None = None):  # fmt: skip
+               impl: str = "auto", small_m_impl: str | None = None,
+               speculative: NgramSpec | DraftSpec | None = None,
+               draft_params=None):  # fmt: skip
     """Lower the sharded step from shapes only (`param_shapes`: the whole model's, as
     `param_shapes` gives them; `inputs`: a `StepInputs` of arrays or shapes) — for memory
-    sizing and deviceless compiles over a TPU topology's devices."""
+    sizing and deviceless compiles over a TPU topology's devices. `speculative` (and a
+    `DraftSpec`'s `draft_params`, arrays or shapes): a speculating runner's step."""
     import jax.numpy as jnp
 
     from jaxmamba.model.model import Mamba2HybridLM
@@ -131,20 +152,26 @@ def lower_step(mesh_plan: MeshPlan, param_shapes, spec, inputs, num_decode: int,
     model = Mamba2HybridLM(plan.shard_config(), dtype, impl, small_m_impl, plan.layout())
     rep = replicated(mesh)
     on_mesh = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep)  # noqa: E731
-    slot_state = jax.eval_shape(lambda: init_slot_state(plan.cfg, spec, dtype))
+    slot_state = jax.eval_shape(lambda: init_slot_state(plan.cfg, spec, dtype, speculative))
     args = (
         sharded_param_shapes(plan, param_shapes, mesh),
         sharded_cache_shapes(plan, spec, dtype, mesh),
         jax.tree.map(on_mesh, slot_state),
         jax.tree.map(on_mesh, inputs),
     )
+    if draft_params is not None:
+        args += (jax.tree.map(on_mesh, draft_params),)
+    extra = {} if speculative is None else {"speculative": speculative}
     return jitted_tp_step.lower(*args, model=model, spec=spec, num_decode=num_decode,
-                                mesh_plan=mesh_plan)  # fmt: skip
+                                mesh_plan=mesh_plan, **extra)  # fmt: skip
 
 
 def step_memory(cfg, size: int, params, spec, inputs, num_decode: int, *, dtype,
-                impl: str = "auto", small_m_impl: str | None = None):  # fmt: skip
+                impl: str = "auto", small_m_impl: str | None = None,
+                speculative: NgramSpec | DraftSpec | None = None,
+                draft_params=None):  # fmt: skip
     """XLA's memory analysis (one device's) of the sharded step of this bucket."""
     lowered = lower_step(mesh_plan(cfg, size), params, spec, inputs, num_decode, dtype=dtype,
-                         impl=impl, small_m_impl=small_m_impl)  # fmt: skip
+                         impl=impl, small_m_impl=small_m_impl, speculative=speculative,
+                         draft_params=draft_params)  # fmt: skip
     return lowered.compile().memory_analysis()
