@@ -139,10 +139,10 @@ def cmd_aot(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from jaxmamba.model.orbax_io import convert_checkpoint
+    from jaxmamba.model.weights import convert_checkpoint
 
     start = time.perf_counter()
-    out = convert_checkpoint(args.src, args.dst, dtype=args.dtype)
+    out = convert_checkpoint(args.src, args.dst, dtype=args.dtype, quantization=args.quantization)
     print(f"wrote the Orbax checkpoint {out} in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -170,4 +170,5 @@ def add_more_parsers(sub) -> None:
         choices=["auto", "float32", "bfloat16"],
         help="the stored weights' dtype; auto: the checkpoint's (default: auto)",
     )
+    add_setting_args(conv, RunConfig, ("quantization",))
     conv.set_defaults(func=cmd_convert)

@@ -242,16 +242,16 @@ _WORKER_SETUP: dict = {}  # in an export worker process: (model, engine, dtype) 
 
 def param_tree(model: str, cfg, dtype, quantization: str | None = None, params=None):
     """The step's parameters as `ShapeDtypeStruct`s: `params`' when given, else the model's
-    (`param_shapes`) quantized as `quantization` says — or, for a quantized checkpoint, as it
-    loads (read here)."""
+    (`param_shapes`) quantized as `quantization` (or `jaxmamba convert --quantization`) says —
+    or, for a quantized checkpoint, as it loads (read here)."""
     from jaxmamba.model.params import quantized_param_shapes
-    from jaxmamba.model.weights import checkpoint_quantization, load_params
+    from jaxmamba.model.weights import checkpoint_quantization, converted_quantization, load_params
 
     if params is None and checkpoint_quantization(model) is not None:
         params = load_params(model, cfg, dtype, 0, quantization)
     if params is not None:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    return quantized_param_shapes(cfg, dtype, quantization)
+    return quantized_param_shapes(cfg, dtype, quantization or converted_quantization(model))
 
 
 def _worker_init() -> None:

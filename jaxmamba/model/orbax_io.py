@@ -110,36 +110,11 @@ def restore_params(path: str | os.PathLike, expected: dict | None = None, shardi
 
 
 CONVERTED_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                   "tokenizer_config.json", "special_tokens_map.json")  # fmt: skip
+                   "tokenizer_config.json", "special_tokens_map.json",
+                   "hf_quant_config.json")  # fmt: skip
 ORBAX_SUBDIR = "orbax"  # where a converted checkpoint keeps its weights
-
-
-def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "auto"):
-    """An HF checkpoint directory -> `dst/` with its config and tokenizer files and the
-    weights (in the engine's layout, `dtype`: "auto" keeps the checkpoint's) as an Orbax
-    checkpoint in `dst/orbax`; `LLM(dst)` restores it. Returns `dst`."""
-    import shutil
-
-    from jaxmamba.model.dtypes import DTYPES, resolve_dtype
-    from jaxmamba.model.families import load_config
-    from jaxmamba.model.loader import load_hf_checkpoint
-    from jaxmamba.model.params import param_shapes
-
-    src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise ValueError(f"{dst} exists: pick a new directory")
-    cfg = load_config(str(src))
-    jdtype = DTYPES[resolve_dtype(dtype, str(src))]
-    params = load_hf_checkpoint(src, cfg, dtype=jdtype, expected=param_shapes(cfg, jdtype))
-    dst.mkdir(parents=True)
-    for name in CONVERTED_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-    config = json.loads((dst / "config.json").read_text())
-    config["torch_dtype"] = np.dtype(jdtype).name  # what dtype="auto" then restores
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_params(dst / ORBAX_SUBDIR, params)
-    return dst
+# config.json's field naming the method ("fp8", "int8") `convert --quantization` applied
+QUANTIZED_AT_CONVERSION = "jaxmamba_quantization"
 
 
 def is_orbax_model(path: str | os.PathLike) -> bool:
@@ -148,10 +123,81 @@ def is_orbax_model(path: str | os.PathLike) -> bool:
     return (p / ORBAX_SUBDIR).is_dir() and (p / "config.json").is_file()
 
 
-def load_orbax_model(path: str | os.PathLike, cfg, dtype, sharding=None):
-    """The params of a `convert_checkpoint` directory, checked against `cfg`'s shapes in
-    `dtype` (missing, extra or mis-shaped tensors are named)."""
-    from jaxmamba.model.params import param_shapes
+def converted_quantization(path: str | os.PathLike) -> str | None:
+    """The method ("fp8", "int8") that `convert_checkpoint(..., quantization=)` quantized the
+    weights of directory `path` with; None for any other directory (a float one, or an FP8
+    checkpoint's weights as published: its quantization_config says so)."""
+    from jaxmamba.engine.config import QUANTIZATION_METHODS
 
+    if not is_orbax_model(path):
+        return None
+    config = Path(path) / "config.json"
+    method = json.loads(config.read_text()).get(QUANTIZED_AT_CONVERSION)
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"{config}: {QUANTIZED_AT_CONVERSION}={method!r} is unsupported: only "
+            f"{QUANTIZATION_METHODS} or none"
+        )
+    return method
+
+
+def quantized_specs(expected: dict, found: dict) -> dict:
+    """`expected` (float tensors) with each float leaf that `found` holds quantized — a
+    `weight`, `experts_up_weight`, ... in place of its `kernel`, `experts_up`, ...
+    (`quantization.quantized_names`) — replaced by the leaves that stand for it: the weight
+    float8_e4m3fn `[..., N, K]` (the float `[..., K, N]` swapped), its scale f32 `[..., NS, KS]`
+    (NS 1, N or ceil(N/128); KS 1 or ceil(K/128)), the `input_scale` f32[] where found; and
+    the KV-cache scales f32[] found beside a `k_proj`/`v_proj`."""
+    from jaxmamba.kernels.matmul.quantized import BLOCK
+    from jaxmamba.model import quantization as quant
+
+    out = dict(expected)
+    modules = {n.rpartition("/")[0] for n in expected}
+    attention = {
+        m.rpartition("/")[0] for m in modules if m.rpartition("/")[2] in ("k_proj", "v_proj")
+    }
+    for name in sorted(set(found) - set(expected)):
+        parent, _, leaf = name.rpartition("/")
+        join = lambda n, parent=parent: f"{parent}/{n}" if parent else n  # noqa: E731
+        base = quant.float_name(leaf)
+        if base is not None and join(base) in expected:
+            *lead, k, n = expected[join(base)][0]
+            weight, scale, input_scale = (join(x) for x in quant.quantized_names(base))
+            del out[join(base)]
+            out[weight] = ((*lead, n, k), "float8_e4m3fn")
+            s = tuple(found[scale][0]) if scale in found else ()
+            laid_out = len(s) == len(lead) + 2
+            ns = s[-2] if laid_out and s[-2] in (1, n, -(-n // BLOCK)) else n
+            ks = s[-1] if laid_out and s[-1] in (1, -(-k // BLOCK)) else 1
+            out[scale] = ((*lead, ns, ks), "float32")
+            if input_scale in found:
+                out[input_scale] = ((), "float32")
+        elif leaf in (quant.K_CACHE_SCALE, quant.V_CACHE_SCALE) and parent in attention:
+            out[name] = ((), "float32")
+    return out
+
+
+def expected_specs(path: str | os.PathLike, cfg, dtype) -> dict:
+    """The tensors the `convert_checkpoint` directory `path` must hold for `cfg` in `dtype`:
+    the float params; quantized as `convert --quantization` recorded
+    (`quantized_param_shapes`); or, for an FP8 checkpoint converted as published (its
+    quantization_config kept), the float params with those it holds quantized replaced by
+    their quantized leaves (`quantized_specs`)."""
+    from jaxmamba.model.params import param_shapes, quantized_param_shapes
+    from jaxmamba.model.quantization import read_quantization
+
+    path = Path(path)
+    method = converted_quantization(path)
+    if method is not None:
+        return flat_specs(quantized_param_shapes(cfg, dtype, method))
     expected = flat_specs(param_shapes(cfg, dtype))
-    return restore_params(Path(path) / ORBAX_SUBDIR, expected, sharding)
+    if read_quantization(path) is None:
+        return expected
+    return quantized_specs(expected, checkpoint_specs(path / ORBAX_SUBDIR))
+
+
+def load_orbax_model(path: str | os.PathLike, cfg, dtype, sharding=None):
+    """The params of a `convert_checkpoint` directory, float or quantized, checked against
+    `cfg`'s shapes in `dtype` (`expected_specs`: missing, extra or mis-shaped tensors are
+    named)."""
+    return restore_params(Path(path) / ORBAX_SUBDIR, expected_specs(path, cfg, dtype), sharding)
