@@ -19,6 +19,10 @@
 #   llm4096  the same at 4096 batched tokens and 32 prefill rows
 #   spec     scripts/bench_speculative.py: the 9B verify step for k = 1, 2, 4, 8 at batch
 #            1 / 32 / 128 against the decode step
+#   draft    train the demo model's draft (`scripts/train_demo.py --draft`, into
+#            configs/nemotron-h-demo-draft, copied to $OUT/nemotron-h-demo-draft to ship)
+#   e2e      single-stream tok/s of ngram and draft_model on the demo model
+#            (`bench_speculative.py --e2e`; needs the draft from `draft`)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_measure}
 mkdir -p "$OUT"
@@ -53,6 +57,11 @@ for name in "$@"; do
         llm8192) part llm8192 280 "$(llm_row 8192 64)" ;;
         llm4096) part llm4096 240 "$(llm_row 4096 32)" ;;
         spec) part spec 240 "python3 scripts/bench_speculative.py --ks 1 2 4 8 --out $OUT/spec.json" ;;
+        draft) part draft 330 "python3 scripts/train_demo.py --draft --log-every 50 && \
+            cp -r configs/nemotron-h-demo-draft $OUT/" ;;
+        e2e) part e2e 300 "python3 scripts/bench_speculative.py --no-steps --e2e \
+            --e2e-methods ngram draft_model --e2e-draft configs/nemotron-h-demo-draft \
+            --e2e-ks 2 4 --out $OUT/spec_e2e.json" ;;
         *) echo "unknown part $name" >&2; exit 2 ;;
     esac
 done
