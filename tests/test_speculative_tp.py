@@ -14,12 +14,11 @@ its greedy drafts are the target's argmax, so (nearly) every one is accepted.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from host_devices import run_with_host_devices
 
 TARGET = "nemotron-h-tiny"
 ENGINE = dict(max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16, page_size=16,
@@ -38,17 +37,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("spec_tp") / "seen.json"
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")  # keeps conftest's
-    root = Path(__file__).resolve().parents[1]
-    # Not the checkout root on the path (tests/conftest.py says why); jaxmamba is installed.
-    paths = [str(root / "tests"), *env.get("PYTHONPATH", "").split(os.pathsep)]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_with_host_devices(__file__, out, timeout=900)
 
 
 def _key(name: str, tp: int) -> str:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from host_devices import run_with_host_devices
 
 SIZES = (1, 2, 4)
 PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -46,19 +45,7 @@ MAX_TOKENS = 5
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp") / "seen.json"
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")  # keeps conftest's
-    root = Path(__file__).resolve().parents[1]
-    # Not the checkout root: its `kernels/` folder would shadow the `kernels` package
-    # transformers imports (tests/conftest.py); jaxmamba comes from its install.
-    # (An empty entry would stand for the working directory, the root again.)
-    paths = [str(root / "tests"), *env.get("PYTHONPATH", "").split(os.pathsep)]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1800
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_with_host_devices(__file__, out, timeout=1800)
 
 
 def test_greedy_tokens_equal_hf_for_every_tp_size(seen):
