@@ -90,11 +90,9 @@ class LLM:
         tensor_parallel_size = engine_cfg.tensor_parallel_size
         sc = engine_cfg.speculative_config
         if sc is not None and sc.method == "mtp" and tensor_parallel_size != 1:
-            raise ValueError(
-                f"speculative_config method 'mtp' with tensor_parallel_size={tensor_parallel_size}"
-                " is not implemented: the MTP head reads the target's vocab-parallel embedding "
-                "and lm_head whole; use 'ngram' or 'draft_model' (docs/tensor_parallel.md)"
-            )
+            from jaxmamba.model.mtp import refuse_mtp_under_tp
+
+            raise refuse_mtp_under_tp(tensor_parallel_size)
         if is_artifact(model):  # a `jaxmamba export` directory: runs without the model code
             if tensor_parallel_size != 1:
                 raise ValueError(

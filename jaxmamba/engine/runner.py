@@ -48,7 +48,7 @@ from jaxmamba.config import ModelConfig
 from jaxmamba.model.cache import StateCache, cache_shapes, init_cache
 from jaxmamba.model.draft import DraftSpec
 from jaxmamba.model.metadata import PackedStepInputs
-from jaxmamba.model.mtp import MtpSpec
+from jaxmamba.model.mtp import MtpSpec, refuse_mtp_under_tp
 from jaxmamba.model.sampling import needs_cutoff
 from jaxmamba.model.speculative import NgramSpec
 from jaxmamba.model.step import (
@@ -510,12 +510,7 @@ class ModelRunner(StepRunner):
         super().__init__()
         sharded = tensor_parallel_size > 1 or mesh is not None
         if sharded and isinstance(speculative, MtpSpec):
-            raise ValueError(
-                f"speculative_config method 'mtp' with tensor_parallel_size="
-                f"{tensor_parallel_size} is not implemented: the MTP head reads the target's "
-                "vocab-parallel embedding and lm_head whole; use 'ngram' or 'draft_model', or "
-                "tensor_parallel_size=1"
-            )
+            raise refuse_mtp_under_tp(tensor_parallel_size)
         if isinstance(speculative, DraftSpec | MtpSpec) != (draft_params is not None):
             raise ValueError("a DraftSpec or MtpSpec and its draft_params come together, got "
                              f"{type(speculative).__name__} and draft_params="

@@ -90,6 +90,16 @@ def _text(hf_config: dict) -> dict:
     return hf_config.get("text_config") or hf_config
 
 
+def refuse_mtp_under_tp(tensor_parallel_size: int) -> ValueError:
+    """The error for method "mtp" with tensor parallelism (`LLM` raises it before loading,
+    `ModelRunner` for a runner built directly)."""
+    return ValueError(
+        f"speculative_config method 'mtp' with tensor_parallel_size={tensor_parallel_size} is "
+        "not implemented: the MTP head reads the target's vocab-parallel embedding and lm_head "
+        "whole; use 'ngram' or 'draft_model', or tensor_parallel_size=1 (docs/tensor_parallel.md)"
+    )
+
+
 def mtp_layers(hf_config: dict, model: str) -> int:
     """The checkpoint's MTP layer count; a family or checkpoint without one (or with more
     than one: the published ones have one) is a ValueError naming the model."""
